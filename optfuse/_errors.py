@@ -1,0 +1,33 @@
+"""Named exceptions raised by optfuse.
+
+Every refusal is one of these: the message names the offending transform, leaf path or argument
+and says what to do instead.
+"""
+
+
+class OptfuseError(Exception):
+  """Base class of every error raised by optfuse."""
+
+
+class NonSeparableError(OptfuseError, ValueError):
+  """The optimizer's update of one leaf depends on the gradients of other leaves.
+
+  Backward fusion updates each leaf as soon as its own gradient is complete, so it is exact only
+  for separable transforms. Use ``mode="forward"`` (exact for every transform) or ``mode="off"``.
+  """
+
+
+class StateMismatchError(OptfuseError, ValueError):
+  """The optimizer state does not belong to this optimizer and these params."""
+
+
+class ParamsStructureError(OptfuseError, ValueError):
+  """The params passed to a step are not the params the state was built for."""
+
+
+class LossOutputError(OptfuseError, TypeError):
+  """The loss function returned something other than a float scalar (and aux, with has_aux)."""
+
+
+class UnknownModeError(OptfuseError, ValueError):
+  """``fuse`` was called with a mode other than "backward", "forward" or "off"."""

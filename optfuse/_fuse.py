@@ -1,0 +1,182 @@
+"""The public entry point: ``optfuse.fuse(tx, mode)``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optfuse import _backward, _plan
+from optfuse._errors import ParamsStructureError, StateMismatchError, UnknownModeError
+
+MODES = ("backward", "forward", "off")
+
+
+class FusedTransformation(NamedTuple):
+  """An optax transformation with its update fused into the training step.
+
+  Attributes:
+    init: ``init(params) -> state``. In "backward" and "off" mode exactly ``tx.init(params)``.
+    value_and_update: ``value_and_update(loss_fn, has_aux=False) -> step`` where
+      ``step(params, state, *args, **kwargs) -> (value, params, state)``.
+    flush: ``flush(params, state) -> (params, state)``; applies a pending forward-mode update,
+      identity in the other modes.
+    mode: "backward", "forward" or "off".
+    tx: the wrapped optax transformation.
+  """
+
+  init: Callable[[Any], Any]
+  value_and_update: Callable[..., Callable[..., tuple[Any, Any, Any]]]
+  flush: Callable[[Any, Any], tuple[Any, Any]]
+  mode: str
+  tx: optax.GradientTransformation
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def _signature(tree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def _is_tracing(tree) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+def check_params(params) -> None:
+  """Raises ``ParamsStructureError`` if a params leaf is not an array."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and not hasattr(leaf, "dtype"):
+      raise ParamsStructureError(
+          f"params leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array; "
+          "convert it with jnp.asarray or move it out of the params tree.")
+
+
+def check_state(tx: optax.GradientTransformation, params, state) -> None:
+  """Raises ``StateMismatchError`` unless ``state`` looks like ``tx.init(params)``."""
+  expected = jax.eval_shape(tx.init, _abstract(params))
+  exp_def, got_def = jax.tree.structure(expected), jax.tree.structure(state)
+  if exp_def != got_def:
+    raise StateMismatchError(
+        "the optimizer state does not have the structure tx.init(params) gives for these params "
+        f"and this optimizer.\n  expected: {exp_def}\n  got:      {got_def}\nBuild the state "
+        "with fx.init(params) for the same optimizer and params (after fx.flush, a forward-mode "
+        "state converts with optfuse.to_optax_state).")
+  for path, exp, got in zip(
+      (jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]),
+      jax.tree.leaves(expected), jax.tree.leaves(state)):
+    if jnp.shape(got) != exp.shape:
+      raise StateMismatchError(
+          f"optimizer state leaf {path} has shape {jnp.shape(got)} but tx.init(params) gives "
+          f"{exp.shape}: the state was built for other params. Rebuild it with fx.init(params).")
+
+
+def _off_step(tx, loss_fn, has_aux):
+  def step(params, state, *args, **kwargs):
+    leaves, treedef = jax.tree.flatten(params)
+    diff = [i for i, p in enumerate(leaves) if _backward.is_float(p)]
+
+    def loss_of_diff(diff_leaves):
+      full = list(leaves)
+      for i, x in zip(diff, diff_leaves):
+        full[i] = x
+      return _backward.check_loss(loss_fn(jax.tree.unflatten(treedef, full), *args, **kwargs),
+                                  has_aux)
+
+    (loss, aux), diff_grads = jax.value_and_grad(loss_of_diff, has_aux=True)(
+        [leaves[i] for i in diff])
+    grads = [jnp.zeros_like(p) for p in leaves]
+    for i, g in zip(diff, diff_grads):
+      grads[i] = g
+    updates, new_state = tx.update(jax.tree.unflatten(treedef, grads), state, params)
+    new_leaves = jax.tree.leaves(optax.apply_updates(params, updates))
+    new_leaves = [n if _backward.is_float(p) else p for p, n in zip(leaves, new_leaves)]
+    value = (loss, aux) if has_aux else loss
+    return value, jax.tree.unflatten(treedef, new_leaves), new_state
+
+  return step
+
+
+def fuse(tx: optax.GradientTransformation, mode: str = "backward") -> FusedTransformation:
+  """Fuses the optax transformation ``tx`` into the training step.
+
+  Args:
+    tx: any optax ``GradientTransformation`` (a chain, ``inject_hyperparams``, masks...).
+    mode: "backward" updates each leaf inside the backward pass as soon as its gradient is
+      complete (separable transforms only); "forward" keeps the gradient and applies the update
+      just before each leaf's first use in the next step (every transform); "off" is the plain
+      optax step behind the same API.
+
+  Returns:
+    A ``FusedTransformation``.
+
+  Raises:
+    UnknownModeError: ``mode`` is not one of "backward", "forward", "off".
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optfuse
+    >>> fx = optfuse.fuse(optax.adam(1e-2))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = fx.init(params)
+    >>> step = fx.value_and_update(lambda p, x: jnp.sum((p["w"] * x) ** 2))
+    >>> loss, params, state = step(params, state, jnp.arange(3.0))
+    >>> float(loss)
+    5.0
+  """
+  if mode not in MODES:
+    raise UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
+  if mode == "forward":
+    raise NotImplementedError("forward fusion is not implemented yet")
+  plans: dict = {}
+
+  def get_plan(params, state) -> _plan.UpdatePlan:
+    if _is_tracing((params, state)):
+      return _plan.make_plan(tx, params, state)
+    key = (_signature(params), _signature(state))
+    if key not in plans:
+      plans[key] = _plan.make_plan(tx, params, state)
+    return plans[key]
+
+  def init(params):
+    check_params(params)
+    return tx.init(params)
+
+  def value_and_update(loss_fn: Callable, has_aux: bool = False):
+    off = _off_step(tx, loss_fn, has_aux)
+
+    def step(params, state, *args, **kwargs):
+      check_params(params)
+      check_state(tx, params, state)
+      if mode == "off":
+        return off(params, state, *args, **kwargs)
+      plan = get_plan(params, state)
+      return _backward.value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs)
+
+    return step
+
+  def flush(params, state):
+    return params, state
+
+  return FusedTransformation(init, value_and_update, flush, mode, tx)
+
+
+def check_separable(tx: optax.GradientTransformation, params) -> None:
+  """Raises ``NonSeparableError`` if ``tx`` cannot run in backward mode for ``params``.
+
+  Args:
+    tx: an optax transformation.
+    params: params or their ``jax.ShapeDtypeStruct``s.
+
+  Returns:
+    None.
+
+  Raises:
+    NonSeparableError: naming the part of the chain whose update of one leaf reads the
+      gradients of other leaves.
+  """
+  abstract = _abstract(params)
+  _plan.make_plan(tx, abstract, jax.eval_shape(tx.init, abstract))

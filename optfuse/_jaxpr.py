@@ -1,0 +1,119 @@
+"""Small jaxpr utilities: gradient-dependency analysis, slicing and evaluation.
+
+optfuse never guesses what an optax transform does from its name. It traces ``tx.update`` to a
+jaxpr and follows data dependencies: which gradient leaves each output depends on. The same
+jaxpr, sliced down to the outputs of one parameter leaf, is what runs in that leaf's backward rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+Deps = frozenset
+
+# Higher-order primitives whose body is a single closed jaxpr taking the same operands as the
+# equation itself: dependencies are followed through the body exactly.
+_CALL_JAXPR_PARAMS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+
+def _inner_jaxpr(eqn: jcore.JaxprEqn) -> jcore.Jaxpr | None:
+  name = _CALL_JAXPR_PARAMS.get(eqn.primitive.name)
+  if name is None or name not in eqn.params:
+    return None
+  inner = eqn.params[name]
+  return inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+
+
+def _read_deps(env: dict, atom: Any) -> Deps:
+  if isinstance(atom, jcore.Literal):
+    return Deps()
+  return env.get(atom, Deps())
+
+
+def output_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> list[Deps]:
+  """Propagates labels from the inputs of ``jaxpr`` to its outputs.
+
+  Args:
+    jaxpr: an open jaxpr (constvars carry no labels).
+    in_deps: one set of labels per invar.
+
+  Returns:
+    One set of labels per outvar: the union of the labels of every input it depends on.
+    Dependencies through ``cond`` and call-like primitives are exact; through loops
+    (``scan``, ``while``) every output depends on every input, which is conservative.
+  """
+  env: dict = dict(zip(jaxpr.invars, in_deps))
+  for eqn in jaxpr.eqns:
+    ins = [_read_deps(env, v) for v in eqn.invars]
+    inner = _inner_jaxpr(eqn)
+    if inner is not None and len(inner.invars) == len(ins):
+      outs = output_dependencies(inner, ins)
+    elif eqn.primitive.name == "cond":
+      index, ops = ins[0], ins[1:]
+      branch_outs = [output_dependencies(b.jaxpr, ops) for b in eqn.params["branches"]]
+      outs = [index.union(*col) for col in zip(*branch_outs)]
+    else:
+      union = Deps().union(*ins)
+      outs = [union] * len(eqn.outvars)
+    for v, d in zip(eqn.outvars, outs):
+      env[v] = d
+  return [_read_deps(env, v) for v in jaxpr.outvars]
+
+
+def first_mixing_equation(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> jcore.JaxprEqn | None:
+  """The first top-level equation whose output depends on two or more labels."""
+  env: dict = dict(zip(jaxpr.invars, in_deps))
+  for eqn in jaxpr.eqns:
+    ins = [_read_deps(env, v) for v in eqn.invars]
+    inner = _inner_jaxpr(eqn)
+    if inner is not None and len(inner.invars) == len(ins):
+      outs = output_dependencies(inner, ins)
+    else:
+      outs = [Deps().union(*ins)] * len(eqn.outvars)
+    for v, d in zip(eqn.outvars, outs):
+      env[v] = d
+    if any(len(d) > 1 for d in outs):
+      return eqn
+  return None
+
+
+def prune(jaxpr: jcore.Jaxpr, used_outputs: Sequence[bool]) -> tuple[jcore.Jaxpr, list[bool]]:
+  """Dead-code elimination at the top level.
+
+  Args:
+    jaxpr: an open jaxpr.
+    used_outputs: which outvars to keep.
+
+  Returns:
+    The jaxpr computing only the kept outputs (same invars), and which invars it reads.
+  """
+  outvars = [v for v, u in zip(jaxpr.outvars, used_outputs) if u]
+  live = {v for v in outvars if isinstance(v, jcore.Var)}
+  kept = []
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in live for v in eqn.outvars) or eqn.effects:
+      kept.append(eqn)
+      live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+  kept.reverse()
+  effects = jcore.no_effects.union(*(e.effects for e in kept))
+  pruned = jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, kept, effects)
+  return pruned, [v in live for v in jaxpr.invars]
+
+
+def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  """Evaluates ``jaxpr``; ``args`` may hold ``None`` for invars the jaxpr does not read."""
+  return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args)

@@ -1,0 +1,202 @@
+"""The update plan: ``tx.update`` traced once and split into one piece per parameter leaf.
+
+For flat gradients ``g``, state ``s`` and params ``p`` the traced update computes
+``updates, new_state``. Following data dependencies, every output falls in one of two classes:
+
+* it depends on the gradient of exactly one leaf ``i``: it belongs to leaf ``i``'s *group* and is
+  computed in that leaf's backward rule (Adam's ``mu`` and ``nu``, the update itself);
+* it depends on no gradient at all: it is *shared* and computed once per step (``count``,
+  injected hyperparameters, schedule state).
+
+An output that depends on the gradients of two or more leaves makes the transform non-separable
+(global-norm clipping, trust ratios across leaves, ...): backward fusion refuses it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.extend import core as jcore
+
+from optfuse import _jaxpr
+from optfuse._errors import NonSeparableError
+
+
+class LeafGroup(NamedTuple):
+  """What the backward rule of one parameter leaf computes.
+
+  Attributes:
+    leaf: index of the parameter leaf in ``jax.tree.leaves(params)``.
+    state_outs: flat indices of the state leaves this leaf writes.
+    jaxpr: the update jaxpr pruned to the outputs ``(update, *new_state[state_outs])``.
+    reads: which inputs of the full update jaxpr the pruned one reads.
+    reads_grad: whether the outputs depend on the gradient at all.
+  """
+
+  leaf: int
+  state_outs: tuple[int, ...]
+  jaxpr: jcore.Jaxpr
+  reads: tuple[bool, ...]
+  reads_grad: bool
+
+
+class UpdatePlan(NamedTuple):
+  """``tx.update`` for one params/state signature, split per leaf.
+
+  Attributes:
+    params_def: treedef of the params.
+    state_def: treedef of the optimizer state.
+    num_params: number of param leaves.
+    num_state: number of state leaves.
+    consts: constants of the traced update jaxpr.
+    groups: one ``LeafGroup`` per param leaf.
+    shared_outs: flat indices of the state leaves that depend on no gradient.
+    shared_jaxpr: the update jaxpr pruned to those state leaves.
+    shared_reads: which inputs ``shared_jaxpr`` reads.
+  """
+
+  params_def: Any
+  state_def: Any
+  num_params: int
+  num_state: int
+  consts: tuple[Any, ...]
+  groups: tuple[LeafGroup, ...]
+  shared_outs: tuple[int, ...]
+  shared_jaxpr: jcore.Jaxpr
+  shared_reads: tuple[bool, ...]
+
+  def inputs(self, grads, state, params, reads) -> list[Any]:
+    """Flat inputs of the update jaxpr, ``None`` where ``reads`` says they are not needed."""
+    flat = [*grads, *state, *params]
+    return [x if r else None for x, r in zip(flat, reads)]
+
+  def run_group(self, i: int, grad, state, params) -> tuple[Any, list[Any]]:
+    """Runs leaf ``i``'s update; ``state``/``params`` are flat lists (unread entries may be None).
+
+    Returns:
+      ``(update, new_state_leaves)`` with the new leaves in ``groups[i].state_outs`` order.
+    """
+    group = self.groups[i]
+    grads = [None] * self.num_params
+    grads[i] = grad
+    out = _jaxpr.evaluate(group.jaxpr, self.consts,
+                          self.inputs(grads, state, params, group.reads))
+    return out[0], list(out[1:])
+
+  def run_shared(self, state, params) -> list[Any]:
+    """The state leaves that depend on no gradient (``count``, hyperparameters...)."""
+    grads = [None] * self.num_params
+    return _jaxpr.evaluate(self.shared_jaxpr, self.consts,
+                           self.inputs(grads, state, params, self.shared_reads))
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _trace_update(tx: optax.GradientTransformation, params, state):
+  params_leaves, params_def = jax.tree.flatten(params)
+  state_leaves, state_def = jax.tree.flatten(state)
+  n, m = len(params_leaves), len(state_leaves)
+
+  def flat_update(flat_g, flat_s, flat_p):
+    updates, new_state = tx.update(jax.tree.unflatten(params_def, flat_g),
+                                   jax.tree.unflatten(state_def, flat_s),
+                                   jax.tree.unflatten(params_def, flat_p))
+    new_leaves, new_def = jax.tree.flatten(new_state)
+    if new_def != state_def:
+      raise NonSeparableError(
+          "tx.update returned an optimizer state whose tree structure differs from its input "
+          f"({new_def} vs {state_def}); optfuse needs update to keep the state structure. "
+          'Use mode="off".')
+    return jax.tree.leaves(updates), new_leaves
+
+  abstract = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+  grads_spec = [abstract(p) for p in params_leaves]
+  closed, out_shape = jax.make_jaxpr(flat_update, return_shape=True)(
+      grads_spec, [abstract(s) for s in state_leaves], [abstract(p) for p in params_leaves])
+  del out_shape
+  return closed, params_def, state_def, n, m
+
+
+_TRANSFORM_FRAME = re.compile(r"([\w.]+)\.<locals>\.(update_fn|update)$")
+
+
+def _transform_name(eqn: jcore.JaxprEqn) -> str:
+  """Names the optax transform that emitted ``eqn``, from the source traceback."""
+  frames = list(eqn.source_info.traceback.frames) if eqn.source_info.traceback else []
+  for frame in frames:
+    match = _TRANSFORM_FRAME.search(frame.function_name)
+    if match and not frame.file_name.endswith(("_combining.py", "base.py", "_wrappers.py")):
+      return match.group(1)
+  for frame in frames:
+    if "/optax/" in frame.file_name:
+      return f"{frame.function_name} ({frame.file_name.split('/optax/')[-1]}:{frame.line_num})"
+  return "an unknown part of the update"
+
+
+def _paths(tree) -> list[str]:
+  return [jax.tree_util.keystr(path) or "<root>" for path, _ in
+          jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def make_plan(tx: optax.GradientTransformation, params, state) -> UpdatePlan:
+  """Traces ``tx.update`` for these params/state and splits it per leaf.
+
+  Args:
+    tx: any optax transformation.
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
+    state: ``tx.init(params)`` or a state of the same structure.
+
+  Returns:
+    The ``UpdatePlan``.
+
+  Raises:
+    NonSeparableError: the update of some leaf depends on the gradients of other leaves.
+  """
+  closed, params_def, state_def, n, m = _trace_update(tx, params, state)
+  jaxpr = closed.jaxpr
+  in_deps = [frozenset([i]) for i in range(n)] + [frozenset()] * (m + n)
+  out_deps = _jaxpr.output_dependencies(jaxpr, in_deps)
+  update_deps, state_deps = out_deps[:n], out_deps[n:]
+
+  bad = [k for k, d in enumerate(out_deps) if len(d) > 1]
+  bad += [i for i, d in enumerate(update_deps) if d and d != frozenset([i])]
+  if bad:
+    eqn = _jaxpr.first_mixing_equation(jaxpr, in_deps)
+    where = _transform_name(eqn) if eqn is not None else "the update"
+    names = _paths(jax.tree.unflatten(params_def, list(range(n))))
+    k = bad[0]
+    mixed = sorted(out_deps[k])[:4]
+    raise NonSeparableError(
+        f"optfuse backward fusion cannot fuse {where}: the update of one parameter leaf depends on "
+        f"the gradients of other leaves ({', '.join(names[j] for j in mixed)}"
+        f"{', ...' if len(out_deps[k]) > 4 else ''}). Backward fusion updates each leaf as soon as "
+        'its own gradient is complete, so this transform needs mode="forward" (exact for every '
+        'optax transform), the two-pass opt-in global_ops="two_pass", or mode="off".')
+
+  state_leaves = jax.tree.leaves(state)
+  groups = []
+  for i in range(n):
+    outs = tuple(k for k in range(m) if state_deps[k] == frozenset([i]))
+    for k in outs:
+      if not _is_float(state_leaves[k]):
+        raise NonSeparableError(
+            f"optimizer state leaf {_paths(state)[k]} has dtype {jnp.result_type(state_leaves[k])} "
+            "and depends on a gradient; backward fusion can only carry float state in the "
+            'backward pass. Use mode="forward" or mode="off".')
+    used = [False] * (n + m)
+    used[i] = True
+    used[n:] = [k in outs for k in range(m)]
+    pruned, reads = _jaxpr.prune(jaxpr, used)
+    groups.append(LeafGroup(i, outs, pruned, tuple(reads), bool(update_deps[i])))
+
+  shared_outs = tuple(k for k in range(m) if not state_deps[k])
+  shared_used = [False] * n + [k in shared_outs for k in range(m)]
+  shared_jaxpr, shared_reads = _jaxpr.prune(jaxpr, shared_used)
+  return UpdatePlan(params_def, state_def, n, m, tuple(closed.consts), tuple(groups), shared_outs,
+                    shared_jaxpr, tuple(shared_reads))
