@@ -19,7 +19,8 @@ def test_backward_fusion_matches_optax_adam_over_20_steps():
   results = {}
   for mode in ("off", "backward"):
     fx = optfuse.fuse(optax.adam(1e-2), mode=mode)
-    p, s = params, fx.init(params)
+    p = jax.tree.map(jnp.copy, params)  # the step donates its inputs
+    s = fx.init(p)
     step = jax.jit(fx.value_and_update(_loss), donate_argnums=(0, 1))
     for _ in range(20):
       _, p, s = step(p, s, x)
