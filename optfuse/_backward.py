@@ -73,7 +73,8 @@ class LeafUpdater:
   def readonly(self, i: int) -> tuple[list, list]:
     """The other inputs leaf ``i``'s update reads (shared state, other params)."""
     group, n, m = self.plan.groups[i], self.plan.num_params, self.plan.num_state
-    reads_s, reads_p = group.reads[n:n + m], group.reads[n + m:]
+    c = len(self.plan.consts)
+    reads_s, reads_p = group.reads[c + n:c + n + m], group.reads[c + n + m:]
     state = [s if r and k not in group.state_outs else None
              for k, (s, r) in enumerate(zip(self.state, reads_s))]
     params = [p if r and j != i else None for j, (p, r) in enumerate(zip(self.params, reads_p))]

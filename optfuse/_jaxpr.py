@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: DCE through cond/calls
 from jax.extend import core as jcore
 
 Deps = frozenset
@@ -92,28 +93,24 @@ def first_mixing_equation(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> jcore.
 
 
 def prune(jaxpr: jcore.Jaxpr, used_outputs: Sequence[bool]) -> tuple[jcore.Jaxpr, list[bool]]:
-  """Dead-code elimination at the top level.
+  """Dead-code elimination, through higher-order primitives (cond branches, calls, loops).
 
   Args:
-    jaxpr: an open jaxpr.
+    jaxpr: an open jaxpr without constvars.
     used_outputs: which outvars to keep.
 
   Returns:
-    The jaxpr computing only the kept outputs (same invars), and which invars it reads.
+    The jaxpr computing only the kept outputs, whose invars are only the inputs it reads, and
+    which of the original invars those are.
   """
-  outvars = [v for v, u in zip(jaxpr.outvars, used_outputs) if u]
-  live = {v for v in outvars if isinstance(v, jcore.Var)}
-  kept = []
-  for eqn in reversed(jaxpr.eqns):
-    if any(v in live for v in eqn.outvars) or eqn.effects:
-      kept.append(eqn)
-      live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
-  kept.reverse()
-  effects = jcore.no_effects.union(*(e.effects for e in kept))
-  pruned = jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, kept, effects)
-  return pruned, [v in live for v in jaxpr.invars]
+  return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=True)
+
+
+def consts_as_inputs(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+  """The same jaxpr with its constvars moved to the front of its invars."""
+  return pe.convert_constvars_jaxpr(jaxpr)
 
 
 def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-  """Evaluates ``jaxpr``; ``args`` may hold ``None`` for invars the jaxpr does not read."""
+  """Evaluates ``jaxpr`` on ``args`` (one per invar)."""
   return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args)

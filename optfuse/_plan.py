@@ -33,7 +33,8 @@ class LeafGroup(NamedTuple):
     leaf: index of the parameter leaf in ``jax.tree.leaves(params)``.
     state_outs: flat indices of the state leaves this leaf writes.
     jaxpr: the update jaxpr pruned to the outputs ``(update, *new_state[state_outs])``.
-    reads: which inputs of the full update jaxpr the pruned one reads.
+    reads: which inputs of the full update jaxpr (constants, grads, state, params) the pruned
+      one reads; its invars are exactly those.
     reads_grad: whether the outputs depend on the gradient at all.
   """
 
@@ -70,9 +71,9 @@ class UpdatePlan(NamedTuple):
   shared_reads: tuple[bool, ...]
 
   def inputs(self, grads, state, params, reads) -> list[Any]:
-    """Flat inputs of the update jaxpr, ``None`` where ``reads`` says they are not needed."""
-    flat = [*grads, *state, *params]
-    return [x if r else None for x, r in zip(flat, reads)]
+    """The inputs a pruned update jaxpr reads, out of the flat (grads, state, params)."""
+    flat = [*self.consts, *grads, *state, *params]
+    return [x for x, r in zip(flat, reads) if r]
 
   def run_group(self, i: int, grad, state, params) -> tuple[Any, list[Any]]:
     """Runs leaf ``i``'s update; ``state``/``params`` are flat lists (unread entries may be None).
@@ -83,14 +84,14 @@ class UpdatePlan(NamedTuple):
     group = self.groups[i]
     grads = [None] * self.num_params
     grads[i] = grad
-    out = _jaxpr.evaluate(group.jaxpr, self.consts,
+    out = _jaxpr.evaluate(group.jaxpr, (),
                           self.inputs(grads, state, params, group.reads))
     return out[0], list(out[1:])
 
   def run_shared(self, state, params) -> list[Any]:
     """The state leaves that depend on no gradient (``count``, hyperparameters...)."""
     grads = [None] * self.num_params
-    return _jaxpr.evaluate(self.shared_jaxpr, self.consts,
+    return _jaxpr.evaluate(self.shared_jaxpr, (),
                            self.inputs(grads, state, params, self.shared_reads))
 
 
@@ -159,8 +160,9 @@ def make_plan(tx: optax.GradientTransformation, params, state) -> UpdatePlan:
     NonSeparableError: the update of some leaf depends on the gradients of other leaves.
   """
   closed, params_def, state_def, n, m = _trace_update(tx, params, state)
-  jaxpr = closed.jaxpr
-  in_deps = [frozenset([i]) for i in range(n)] + [frozenset()] * (m + n)
+  # Constants become leading inputs, so that pruning can drop the ones a leaf does not read.
+  jaxpr, c = _jaxpr.consts_as_inputs(closed.jaxpr), len(closed.consts)
+  in_deps = [frozenset()] * c + [frozenset([i]) for i in range(n)] + [frozenset()] * (m + n)
   out_deps = _jaxpr.output_dependencies(jaxpr, in_deps)
   update_deps, state_deps = out_deps[:n], out_deps[n:]
 
@@ -189,9 +191,7 @@ def make_plan(tx: optax.GradientTransformation, params, state) -> UpdatePlan:
             f"optimizer state leaf {_paths(state)[k]} has dtype {jnp.result_type(state_leaves[k])} "
             "and depends on a gradient; backward fusion can only carry float state in the "
             'backward pass. Use mode="forward" or mode="off".')
-    used = [False] * (n + m)
-    used[i] = True
-    used[n:] = [k in outs for k in range(m)]
+    used = [j == i for j in range(n)] + [k in outs for k in range(m)]
     pruned, reads = _jaxpr.prune(jaxpr, used)
     groups.append(LeafGroup(i, outs, pruned, tuple(reads), bool(update_deps[i])))
 
