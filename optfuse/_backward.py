@@ -34,9 +34,11 @@ def check_loss(value, has_aux: bool):
   """Splits ``value`` into ``(loss, aux)`` and checks that the loss is a float scalar."""
   if has_aux:
     if not (isinstance(value, (tuple, list)) and len(value) == 2):
+      returned = (f"an array of shape {jnp.shape(value)}" if hasattr(value, "shape")
+                  else f"a {type(value).__name__}")
       raise LossOutputError(
           "has_aux=True but the loss function did not return a (loss, aux) pair; it returned "
-          f"{type(value).__name__}. Return (loss, aux) or use has_aux=False.")
+          f"{returned}. Return (loss, aux) or use has_aux=False.")
     loss, aux = value
   else:
     loss, aux = value, None
@@ -153,7 +155,7 @@ def value_and_update(plan: UpdatePlan, loss_fn: Callable, has_aux: bool, params,
   extra = None if extra_grads is None else plan.params_def.flatten_up_to(extra_grads)
   updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), extra)
   diff = [i for i, p in enumerate(param_leaves) if is_float(p)]
-  loop_plan = _loops.analyze(loss_fn, plan, params, args, kwargs, diff)
+  loop_plan = _loops.analyze(loss_fn, plan, params, list(state_leaves), args, kwargs, diff)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
   taps = {i: _make_tap(updater, i) for i in tapped_leaves}
 

@@ -1,22 +1,374 @@
-"""Fusion across loops (placeholder: no loop is fused yet)."""
+"""Fusion across loops: stacked params updated in place inside the backward ``scan``.
+
+Large JAX models scan over stacked layer params (``lax.scan``, ``nn.scan``, ``nnx.scan``). A tap on
+the stacked leaf would fire only after the whole backward loop, with the full stacked gradient
+materialised; a tap on the slice inside the loop body makes JAX's scan transpose emit fresh
+stacked outputs (twice the memory). Instead, optfuse traces the loss to a jaxpr, finds every
+``scan`` whose scanned inputs include a param leaf that the loss uses nowhere else, and replaces
+that scan with a ``custom_vjp`` whose backward rule is a hand-written reverse loop:
+
+* the forward saves the per-iteration carries (what ``jax.checkpoint`` on the body saves);
+* iteration ``l`` of the backward recomputes the body's VJP, takes row ``l`` of the gradient and
+  runs the leaf's update on row ``l`` of the param and optimizer state (see ``_rows``), writing
+  the new rows into the param and state buffers themselves with ``dynamic_update_slice``;
+* the rows read from the buffers pass through ``lax.optimization_barrier`` before any write, so
+  every read of a buffer's old row is ordered before every in-place write: XLA then needs no
+  copy of the stacked buffers (an unordered read of old ``mu`` next to the in-place write of
+  ``mu`` makes it copy the whole buffer every iteration).
+
+Leaves whose update mixes rows (LAMB's trust ratio, Adafactor's factored moments over the
+stacked axis, ...) are left to an ordinary tap: updated after the loop, exactly as optax does.
+"""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from optfuse import _jaxpr, _rows
+from optfuse._plan import UpdatePlan
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _is_float_aval(v) -> bool:
+  return jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+class _Site(NamedTuple):
+  """A scan equation whose scanned inputs at ``positions`` are the param leaves ``leaves``."""
+
+  positions: tuple[int, ...]
+  leaves: tuple[int, ...]
 
 
 class LoopPlan(NamedTuple):
+  """How the loss is evaluated: directly, or through its jaxpr with fused scans.
+
+  Attributes:
+    params_def: treedef of the params.
+    loss_fn: the user's loss.
+    fused_leaves: param leaves updated inside a backward loop.
+    jaxpr: the traced loss (``None`` when no scan is fused).
+    consts: its constants.
+    sites: ``id(eqn) -> _Site`` for every fused scan, at any depth of ``jit`` nesting.
+    dynamic: which leaves of ``(args, kwargs)`` are jaxpr inputs (the rest are static).
+    out_def: treedef of the loss output.
+  """
+
   params_def: Any
   loss_fn: Any
   fused_leaves: tuple[int, ...]
+  jaxpr: jcore.Jaxpr | None = None
+  consts: tuple = ()
+  sites: dict | None = None
+  dynamic: tuple[bool, ...] = ()
+  out_def: Any = None
 
   def call(self, updater, leaves, slots, args, kwargs):
-    del updater, slots
-    return self.loss_fn(jax.tree.unflatten(self.params_def, leaves), *args, **kwargs)
+    """Evaluates the loss on ``leaves`` (the fused leaves untapped) with fused scans."""
+    if self.jaxpr is None:
+      return self.loss_fn(jax.tree.unflatten(self.params_def, leaves), *args, **kwargs)
+    arg_leaves = jax.tree.leaves((args, kwargs))
+    dyn = [a for a, d in zip(arg_leaves, self.dynamic) if d]
+    outs = _interpret(self.jaxpr, self.consts, [*leaves, *dyn], self.sites, updater, slots)
+    return jax.tree.unflatten(self.out_def, outs)
 
 
-def analyze(loss_fn, plan, params, args, kwargs, diff) -> LoopPlan:
-  del params, args, kwargs, diff
-  return LoopPlan(plan.params_def, loss_fn, ())
+def _is_dynamic(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _trace_loss(loss_fn, params_def, param_leaves, args, kwargs):
+  arg_leaves, arg_def = jax.tree.flatten((args, kwargs))
+  dynamic = tuple(_is_dynamic(a) for a in arg_leaves)
+
+  def flat_loss(p_leaves, dyn):
+    it = iter(dyn)
+    full = [next(it) if d else a for a, d in zip(arg_leaves, dynamic)]
+    a, kw = jax.tree.unflatten(arg_def, full)
+    return loss_fn(jax.tree.unflatten(params_def, p_leaves), *a, **kw)
+
+  dyn = [a for a, d in zip(arg_leaves, dynamic) if d]
+  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(list(param_leaves), dyn)
+  return closed, jax.tree.structure(out_shape), dynamic
+
+
+def _use_counts(jaxpr: jcore.Jaxpr) -> dict:
+  counts: dict = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if isinstance(v, jcore.Var):
+        counts[v] = counts.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if isinstance(v, jcore.Var):
+      counts[v] = counts.get(v, 0) + 1
+  return counts
+
+
+def row_fusible(plan: UpdatePlan, leaf: int, state_leaves, params_leaves, length: int) -> bool:
+  """Whether row ``l`` of leaf ``leaf``'s update depends on row ``l`` of its inputs only."""
+  group = plan.groups[leaf]
+  if any(jnp.shape(state_leaves[k])[:1] != (length,) for k in group.state_outs):
+    return False
+  spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+  row = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x))
+  n, m, c = plan.num_params, plan.num_state, len(plan.consts)
+  reads_s, reads_p = group.reads[c + n:c + n + m], group.reads[c + n + m:]
+  readonly = ([spec(s) if r and k not in group.state_outs else None
+               for k, (s, r) in enumerate(zip(state_leaves, reads_s))],
+              [spec(p) if r and j != leaf else None
+               for j, (p, r) in enumerate(zip(params_leaves, reads_p))])
+  param_row = row(params_leaves[leaf])
+  slot_rows = [row(state_leaves[k]) for k in group.state_outs]
+  try:
+    jax.eval_shape(lambda g, p, s, ro: row_update(plan, leaf, g, p, s, ro, 0, length),
+                   param_row, param_row, slot_rows, readonly)
+  except _rows.NotRowwise:
+    return False
+  return True
+
+
+def row_update(plan: UpdatePlan, leaf: int, grad_row, param_row, slot_rows, readonly, index,
+               length: int):
+  """Row ``index`` of leaf ``leaf``'s ``(update, new_slots)`` from rows of its inputs.
+
+  Raises:
+    NotRowwise: the update combines rows of the stacked leaf.
+  """
+  group, n = plan.groups[leaf], plan.num_params
+  state, params = list(readonly[0]), list(readonly[1])
+  is_row_state = [False] * plan.num_state
+  for k, s in zip(group.state_outs, slot_rows):
+    state[k] = s
+    is_row_state[k] = True
+  params[leaf] = param_row
+  grads = [grad_row if j == leaf else None for j in range(n)]
+  is_row = ([False] * len(plan.consts) + [j == leaf for j in range(n)] + is_row_state
+            + [j == leaf for j in range(n)])
+  args = plan.inputs(grads, state, params, group.reads)
+  is_row = [r for r, used in zip(is_row, group.reads) if used]
+  out = _rows.evaluate_rows(group.jaxpr, (), args, is_row, index, length)
+  return out[0], out[1:]
+
+
+def _find_sites(jaxpr: jcore.Jaxpr, param_of: dict, fusible) -> dict:
+  """Scan equations (also inside nested ``jit``) that scan over a param used nowhere else."""
+  counts = _use_counts(jaxpr)
+  sites: dict = {}
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "scan":
+      start = eqn.params["num_consts"] + eqn.params["num_carry"]
+      positions, leaves = [], []
+      for pos, v in enumerate(eqn.invars[start:]):
+        leaf = param_of.get(v) if isinstance(v, jcore.Var) else None
+        if leaf is not None and counts.get(v) == 1 and leaf not in leaves and fusible(
+            leaf, eqn.params["length"]):
+          positions.append(pos)
+          leaves.append(leaf)
+      if leaves:
+        sites[id(eqn)] = _Site(tuple(positions), tuple(leaves))
+    elif name in ("jit", "pjit"):
+      inner = eqn.params["jaxpr"].jaxpr
+      inner_param_of = {iv: param_of[v] for v, iv in zip(eqn.invars, inner.invars)
+                        if isinstance(v, jcore.Var) and v in param_of and counts.get(v) == 1}
+      if inner_param_of:
+        sites.update(_find_sites(inner, inner_param_of, fusible))
+  return sites
+
+
+def _contains(jaxpr: jcore.Jaxpr, sites: dict) -> bool:
+  for eqn in jaxpr.eqns:
+    if id(eqn) in sites:
+      return True
+    if eqn.primitive.name in ("jit", "pjit") and _contains(eqn.params["jaxpr"].jaxpr, sites):
+      return True
+  return False
+
+
+def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff) -> LoopPlan:
+  """Finds the scans of ``loss_fn`` whose stacked params can be updated inside the loop.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args, **kwargs)``.
+    plan: the update plan.
+    params: the params tree.
+    state_leaves: the flat optimizer state.
+    args: positional arguments of the loss after params.
+    kwargs: keyword arguments of the loss.
+    diff: indices of the float (differentiable) param leaves.
+
+  Returns:
+    A ``LoopPlan``; with no fusible scan it calls ``loss_fn`` directly.
+  """
+  param_leaves = plan.params_def.flatten_up_to(params)
+  closed, out_def, dynamic = _trace_loss(loss_fn, plan.params_def, param_leaves, args, kwargs)
+  jaxpr = closed.jaxpr
+  diff = set(diff)
+  param_of = {v: i for i, v in enumerate(jaxpr.invars[:len(param_leaves)]) if i in diff}
+
+  def fusible(leaf, length):
+    return row_fusible(plan, leaf, state_leaves, param_leaves, length)
+
+  sites = _find_sites(jaxpr, param_of, fusible)
+  if not sites:
+    return LoopPlan(plan.params_def, loss_fn, ())
+  fused = tuple(sorted(leaf for site in sites.values() for leaf in site.leaves))
+  return LoopPlan(plan.params_def, loss_fn, fused, jaxpr, tuple(closed.consts), sites, dynamic,
+                  out_def)
+
+
+def _interpret(jaxpr: jcore.Jaxpr, consts, args, sites: dict, updater, slots) -> list:
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    site = sites.get(id(eqn))
+    if site is not None:
+      outs = _fused_scan(eqn, site, updater, slots, ins)
+    elif eqn.primitive.name in ("jit", "pjit") and _contains(eqn.params["jaxpr"].jaxpr, sites):
+      inner = eqn.params["jaxpr"]
+      outs = _interpret(inner.jaxpr, inner.consts, ins, sites, updater, slots)
+    else:
+      with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    for v, x in zip(eqn.outvars, outs):
+      env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _split(values, mask):
+  return [v for v, m in zip(values, mask) if m], [v for v, m in zip(values, mask) if not m]
+
+
+def _merge(selected, others, mask):
+  it_s, it_o = iter(selected), iter(others)
+  return [next(it_s) if m else next(it_o) for m in mask]
+
+
+def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: list) -> list:
+  """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place."""
+  prm = eqn.params
+  nc, nk, length, reverse = prm["num_consts"], prm["num_carry"], prm["length"], prm["reverse"]
+  body = prm["jaxpr"]
+  plan = updater.plan
+  consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+  is_param_x = [pos in site.positions for pos in range(len(xs_in))]
+  pstacks = tuple(xs_in[pos] for pos in site.positions)
+  xs_other = [x for x, p in zip(xs_in, is_param_x) if not p]
+  leaf_slots = tuple(slots[leaf] for leaf in site.leaves)
+  readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
+  extras = tuple(None if updater.extra is None else updater.extra[leaf] for leaf in site.leaves)
+
+  fc = [_is_float_aval(v) for v in body.jaxpr.invars[:nc]]
+  fk = [_is_float_aval(v) for v in body.jaxpr.invars[nc:nc + nk]]
+  fxo = [_is_float_aval(v) for v, p in zip(body.jaxpr.invars[nc + nk:], is_param_x) if not p]
+  fout = [_is_float_aval(v) for v in body.jaxpr.outvars]
+
+  def xs_slices(params_rows, other_rows):
+    it_p, it_o = iter(params_rows), iter(other_rows)
+    return [next(it_p) if p else next(it_o) for p in is_param_x]
+
+  def body_fn(consts, carry, xs):
+    return _jaxpr.evaluate(body.jaxpr, body.consts, [*consts, *carry, *xs])
+
+  @jax.custom_vjp
+  def fscan(pstacks, leaf_slots, readonly, extras, consts, carry, xs_other):
+    del leaf_slots, readonly, extras
+    xs = xs_slices(pstacks, xs_other)
+    return tuple(eqn.primitive.bind(*consts, *carry, *xs, **prm))
+
+  def fwd(pstacks, leaf_slots, readonly, extras, consts, carry, xs_other):
+    def save_carry(c, x):
+      out = body_fn(consts, c, x)
+      return out[:nk], (out[nk:], c)
+
+    xs = xs_slices(pstacks, xs_other)
+    carry_out, (ys, carries) = lax.scan(save_carry, list(carry), xs, length=length,
+                                        reverse=reverse, unroll=prm["unroll"])
+    res = (pstacks, leaf_slots, readonly, extras, consts, carries, xs_other)
+    return (*carry_out, *ys), res
+
+  def bwd(res, cts):
+    pstacks, leaf_slots, readonly, extras, consts, carries, xs_other = res
+    for leaf in site.leaves:
+      updater.fired.add(leaf)
+    ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
+    float_consts, static_consts = _split(consts, fc)
+
+    def row_at(x, index):
+      return lax.dynamic_index_in_dim(x, index, 0, keepdims=False)
+
+    def index_of(k):
+      return k if reverse else length - 1 - k
+
+    def fetch(stacks, state_stacks, index):
+      return ([row_at(p, index) for p in stacks],
+              [[row_at(s, index) for s in slots] for slots in state_stacks])
+
+    def iteration(k, state):
+      ct_c, ct_consts, stacks, state_stacks, ct_xo, (p_rows, slot_rows) = state
+      index = index_of(k)
+      row = lambda x: row_at(x, index)
+      c_row = [row(c) for c in carries]
+      xo_rows = [row(x) for x in xs_other]
+      ct_y_row = [row(y) for y, f in zip(ct_ys, fout[nk:]) if f]
+
+      def float_body(f_consts, f_carry, f_params, f_xo):
+        out = body_fn(_merge(f_consts, static_consts, fc),
+                      _merge(f_carry, _split(c_row, fk)[1], fk),
+                      xs_slices(f_params, _merge(f_xo, _split(xo_rows, fxo)[1], fxo)))
+        return _split(out, fout)[0]
+
+      _, pullback = jax.vjp(float_body, float_consts, _split(c_row, fk)[0], p_rows,
+                            _split(xo_rows, fxo)[0])
+      g_consts, g_carry, g_params, g_xo = pullback([*_split(ct_c, fk)[0], *ct_y_row])
+      new_stacks, new_state_stacks = list(stacks), list(state_stacks)
+      write = lambda buf, r: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype), index, 0)
+      for j, leaf in enumerate(site.leaves):
+        g = g_params[j]
+        if extras[j] is not None:
+          g = g + row(extras[j]).astype(g.dtype)
+        update, new_slots = row_update(plan, leaf, g, p_rows[j], slot_rows[j], readonly[j],
+                                       index, length)
+        new_p = (p_rows[j] + update).astype(p_rows[j].dtype)
+        new_stacks[j] = write(stacks[j], new_p)
+        new_state_stacks[j] = tuple(write(s, r) for s, r in zip(state_stacks[j], new_slots))
+      ct_consts = [a + b for a, b in zip(ct_consts, g_consts)]
+      ct_xo = [lax.dynamic_update_index_in_dim(acc, g, index, 0) for acc, g in zip(ct_xo, g_xo)]
+      ct_c = _merge(g_carry, [None] * (nk - sum(fk)), fk)
+      # Prefetch the next rows from the buffers just written: the only read of a buffer in this
+      # iteration then depends on its write, so XLA can prove the in-place updates safe and
+      # copies no buffer (reads of old rows unordered with the writes make it copy them all).
+      next_index = index_of(jnp.minimum(k + 1, length - 1))
+      prefetched = fetch(new_stacks, new_state_stacks, next_index)
+      return (ct_c, ct_consts, tuple(new_stacks), tuple(new_state_stacks), ct_xo, prefetched)
+
+    init = (_merge(_split(ct_carry, fk)[0], [None] * (nk - sum(fk)), fk),
+            [jnp.zeros_like(c) for c in float_consts], tuple(pstacks),
+            tuple(tuple(s) for s in leaf_slots),
+            [jnp.zeros_like(x) for x in _split(xs_other, fxo)[0]],
+            fetch(pstacks, leaf_slots, index_of(0)))
+    ct_c, ct_consts, stacks, state_stacks, ct_xo, _ = lax.fori_loop(0, length, iteration, init)
+    ct_consts_full = _merge(ct_consts, [None] * (nc - sum(fc)), fc)
+    ct_xo_full = _merge(ct_xo, [None] * (len(xs_other) - sum(fxo)), fxo)
+    return (tuple(stacks), tuple(state_stacks), None, None, ct_consts_full, ct_c, ct_xo_full)
+
+  fscan.defvjp(fwd, bwd)
+  return list(fscan(pstacks, leaf_slots, readonly, extras, consts_in, carry_in, xs_other))
