@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: DCE through cond/calls
 from jax.extend import core as jcore
 
@@ -103,7 +102,7 @@ def prune(jaxpr: jcore.Jaxpr, used_outputs: Sequence[bool]) -> tuple[jcore.Jaxpr
     The jaxpr computing only the kept outputs, whose invars are only the inputs it reads, and
     which of the original invars those are.
   """
-  return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=True)
+  return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=False)
 
 
 def consts_as_inputs(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:

@@ -262,8 +262,30 @@ def _merge(selected, others, mask):
   return [next(it_s) if m else next(it_o) for m in mask]
 
 
+class _Residuals(NamedTuple):
+  """Where each residual of the body's VJP comes from in iteration ``l`` of the backward.
+
+  Attributes:
+    treedef: treedef of the VJP function (its leaves are the residuals).
+    sources: per residual, ``("input", k)`` for the ``k``-th flat input of the body's float
+      VJP (constants, carry, param rows, other scanned rows), or ``("saved", j)`` for the
+      ``j``-th residual the forward loop stacks.
+    needs_carry: whether some residual is a carry input (then the forward stacks the carries).
+  """
+
+  treedef: Any
+  sources: tuple[tuple[str, int], ...]
+  needs_carry: bool
+
+
 def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: list) -> list:
-  """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place."""
+  """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place.
+
+  The forward runs the body's VJP in the loop and stacks only the residuals that are not
+  inputs of the iteration (with ``jax.checkpoint`` on the body: none, just the carries), as JAX's
+  own scan transpose does; inputs of the iteration (param rows, constants) are read again in the
+  backward instead of being stacked.
+  """
   prm = eqn.params
   nc, nk, length, reverse = prm["num_consts"], prm["num_carry"], prm["length"], prm["reverse"]
   body = prm["jaxpr"]
@@ -285,8 +307,46 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
     it_p, it_o = iter(params_rows), iter(other_rows)
     return [next(it_p) if p else next(it_o) for p in is_param_x]
 
-  def body_fn(consts, carry, xs):
-    return _jaxpr.evaluate(body.jaxpr, body.consts, [*consts, *carry, *xs])
+  def float_vjp(consts, carry, p_rows, xo_rows):
+    """The body's VJP with respect to its float inputs; non-float outputs come as aux."""
+    static_consts, static_carry = _split(consts, fc)[1], _split(carry, fk)[1]
+    static_xo = _split(xo_rows, fxo)[1]
+
+    def float_body(f_consts, f_carry, f_params, f_xo):
+      out = _jaxpr.evaluate(body.jaxpr, body.consts, [
+          *_merge(f_consts, static_consts, fc), *_merge(f_carry, static_carry, fk),
+          *xs_slices(f_params, _merge(f_xo, static_xo, fxo))])
+      return _split(out, fout)
+
+    inputs = (_split(consts, fc)[0], _split(carry, fk)[0], list(p_rows), _split(xo_rows, fxo)[0])
+    out_float, pullback, out_static = jax.vjp(float_body, *inputs, has_aux=True)
+    return _merge(out_float, out_static, fout), pullback, jax.tree.leaves(inputs)
+
+  def residual_sources(pullback, flat_inputs) -> tuple[list, list]:
+    sources, saved = [], []
+    for r in jax.tree.leaves(pullback):
+      k = next((k for k, x in enumerate(flat_inputs) if x is r), None)
+      if k is None:
+        sources.append(("saved", len(saved)))
+        saved.append(r)
+      else:
+        sources.append(("input", k))
+    return sources, saved
+
+  def split_row(x):
+    return [x[pos] for pos in site.positions], [x[pos] for pos, p in enumerate(is_param_x)
+                                                if not p]
+
+  def probe(consts, carry, x):
+    p_rows, xo_rows = split_row(x)
+    _, pullback, flat_inputs = float_vjp(consts, carry, p_rows, xo_rows)
+    sources, _ = residual_sources(pullback, flat_inputs)
+    n_carry_inputs = sum(fc), sum(fc) + sum(fk)
+    needs_carry = any(kind == "input" and n_carry_inputs[0] <= k < n_carry_inputs[1]
+                      for kind, k in sources)
+    info.append(_Residuals(jax.tree.structure(pullback), tuple(sources), needs_carry))
+
+  info: list[_Residuals] = []
 
   @jax.custom_vjp
   def fscan(pstacks, leaf_slots, readonly, extras, consts, carry, xs_other):
@@ -295,22 +355,29 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
     return tuple(eqn.primitive.bind(*consts, *carry, *xs, **prm))
 
   def fwd(pstacks, leaf_slots, readonly, extras, consts, carry, xs_other):
-    def save_carry(c, x):
-      out = body_fn(consts, c, x)
-      return out[:nk], (out[nk:], c)
-
     xs = xs_slices(pstacks, xs_other)
-    carry_out, (ys, carries) = lax.scan(save_carry, list(carry), xs, length=length,
-                                        reverse=reverse, unroll=prm["unroll"])
-    res = (pstacks, leaf_slots, readonly, extras, consts, carries, xs_other)
+    row0 = [lax.dynamic_index_in_dim(x, 0, 0, keepdims=False) for x in xs]
+    jax.eval_shape(probe, list(consts), list(carry), row0)
+    residuals = info[-1]
+
+    def save_body(c, x):
+      p_rows, xo_rows = split_row(x)
+      out, pullback, flat_inputs = float_vjp(consts, c, p_rows, xo_rows)
+      _, saved = residual_sources(pullback, flat_inputs)
+      return out[:nk], (out[nk:], saved, c if residuals.needs_carry else None)
+
+    carry_out, (ys, saved, carries) = lax.scan(save_body, list(carry), xs, length=length,
+                                               reverse=reverse, unroll=prm["unroll"])
+    res = (pstacks, leaf_slots, readonly, extras, consts, carries, saved, xs_other)
     return (*carry_out, *ys), res
 
   def bwd(res, cts):
-    pstacks, leaf_slots, readonly, extras, consts, carries, xs_other = res
+    pstacks, leaf_slots, readonly, extras, consts, carries, saved, xs_other = res
+    residuals = info[-1]
     for leaf in site.leaves:
       updater.fired.add(leaf)
     ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
-    float_consts, static_consts = _split(consts, fc)
+    float_consts = _split(consts, fc)[0]
 
     def row_at(x, index):
       return lax.dynamic_index_in_dim(x, index, 0, keepdims=False)
@@ -326,18 +393,15 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
       ct_c, ct_consts, stacks, state_stacks, ct_xo, (p_rows, slot_rows) = state
       index = index_of(k)
       row = lambda x: row_at(x, index)
-      c_row = [row(c) for c in carries]
+      c_row = [row(c) for c in carries] if residuals.needs_carry else [None] * nk
       xo_rows = [row(x) for x in xs_other]
+      flat_inputs = jax.tree.leaves((float_consts, _split(c_row, fk)[0], list(p_rows),
+                                     _split(xo_rows, fxo)[0]))
+      saved_rows = [row(r) for r in saved]
+      leaves = [flat_inputs[k] if kind == "input" else saved_rows[k]
+                for kind, k in residuals.sources]
+      pullback = jax.tree.unflatten(residuals.treedef, leaves)
       ct_y_row = [row(y) for y, f in zip(ct_ys, fout[nk:]) if f]
-
-      def float_body(f_consts, f_carry, f_params, f_xo):
-        out = body_fn(_merge(f_consts, static_consts, fc),
-                      _merge(f_carry, _split(c_row, fk)[1], fk),
-                      xs_slices(f_params, _merge(f_xo, _split(xo_rows, fxo)[1], fxo)))
-        return _split(out, fout)[0]
-
-      _, pullback = jax.vjp(float_body, float_consts, _split(c_row, fk)[0], p_rows,
-                            _split(xo_rows, fxo)[0])
       g_consts, g_carry, g_params, g_xo = pullback([*_split(ct_c, fk)[0], *ct_y_row])
       new_stacks, new_state_stacks = list(stacks), list(state_stacks)
       write = lambda buf, r: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype), index, 0)
