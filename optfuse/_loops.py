@@ -320,7 +320,7 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
 
     inputs = (_split(consts, fc)[0], _split(carry, fk)[0], list(p_rows), _split(xo_rows, fxo)[0])
     out_float, pullback, out_static = jax.vjp(float_body, *inputs, has_aux=True)
-    return _merge(out_float, out_static, fout), pullback, jax.tree.leaves(inputs)
+    return _merge(out_float, out_static, fout), pullback, [x for part in inputs for x in part]
 
   def residual_sources(pullback, flat_inputs) -> tuple[list, list]:
     sources, saved = [], []
@@ -395,8 +395,7 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
       row = lambda x: row_at(x, index)
       c_row = [row(c) for c in carries] if residuals.needs_carry else [None] * nk
       xo_rows = [row(x) for x in xs_other]
-      flat_inputs = jax.tree.leaves((float_consts, _split(c_row, fk)[0], list(p_rows),
-                                     _split(xo_rows, fxo)[0]))
+      flat_inputs = [*float_consts, *_split(c_row, fk)[0], *p_rows, *_split(xo_rows, fxo)[0]]
       saved_rows = [row(r) for r in saved]
       leaves = [flat_inputs[k] if kind == "input" else saved_rows[k]
                 for kind, k in residuals.sources]
