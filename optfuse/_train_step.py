@@ -1,0 +1,79 @@
+"""``optfuse.train_step``: a loss function becomes a fused training step on a train state.
+
+The decorated function is the user's loss, unchanged; the result takes a train state in place of
+the params. It works with any state that follows the ``flax.training.train_state.TrainState``
+protocol (fields ``step``, ``params``, ``tx``, ``opt_state`` and a ``replace`` method), so a
+plain Flax ``TrainState`` needs no other change, and it defers to ``state.value_and_update``
+for an ``optfuse.linen.TrainState``. This module does not import Flax.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from optfuse._fuse import fuse
+
+
+def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
+               mode: str | None = None) -> Callable:
+  """Turns ``loss_fn(params, *args)`` into ``step(state, *args) -> (value, state)``.
+
+  ``step(state, *args)`` does what ``jax.value_and_grad(loss_fn)(state.params, *args)`` followed
+  by ``state.apply_gradients(grads=grads)`` does, with the optimizer update fused into the
+  backward pass. Use it as a decorator (``@optfuse.train_step`` or
+  ``@optfuse.train_step(has_aux=True)``) or call it inline:
+  ``loss, state = optfuse.train_step(loss_fn)(state)``.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a float scalar, or ``(loss, aux)``
+      with ``has_aux``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    mode: the fusion mode ("backward", "forward" or "off"). By default the state's own ``mode``
+      for an ``optfuse.linen.TrainState``, else "backward". The state's ``opt_state`` must have
+      the layout ``optfuse.fuse(state.tx, mode).init`` gives: ``tx.init(params)`` in "backward"
+      and "off" mode.
+
+  Returns:
+    ``step(state, *args, **kwargs) -> (value, state)``: the loss (or ``(loss, aux)``) at the old
+    params, and the state with new ``params`` and ``opt_state`` and ``step + 1``. Without
+    ``loss_fn``, a decorator that builds it.
+
+  Raises:
+    ValueError: ``mode`` contradicts the ``mode`` of an ``optfuse.linen.TrainState``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optfuse
+    >>> from flax.training import train_state
+    >>> state = train_state.TrainState.create(
+    ...     apply_fn=None, params={"w": jnp.ones(3)}, tx=optax.sgd(0.1))
+    >>> @optfuse.train_step
+    ... def loss_fn(params, x):
+    ...   return jnp.sum(params["w"] * x)
+    >>> loss, state = jax.jit(loss_fn)(state, jnp.arange(3.0))
+    >>> print(state.params["w"], state.step)
+    [1.  0.9 0.8] 1
+  """
+  if loss_fn is None:
+    return functools.partial(train_step, has_aux=has_aux, mode=mode)
+  fused_by_tx: dict = {}
+
+  @functools.wraps(loss_fn)
+  def step(state, *args, **kwargs) -> tuple[Any, Any]:
+    own_mode = getattr(state, "mode", None)
+    if hasattr(state, "value_and_update") and own_mode is not None:
+      if mode is not None and mode != own_mode:
+        raise ValueError(
+            f"train_step was given mode={mode!r} but the state was created with "
+            f"mode={own_mode!r}, and its opt_state has that mode's layout. Drop the mode "
+            "argument or create the state with the mode you want.")
+      return state.value_and_update(loss_fn, *args, has_aux=has_aux, **kwargs)
+    key = (state.tx, mode or "backward")
+    if key not in fused_by_tx:
+      fused_by_tx[key] = fuse(*key)
+    update = fused_by_tx[key].value_and_update(loss_fn, has_aux=has_aux)
+    value, params, opt_state = update(state.params, state.opt_state, *args, **kwargs)
+    return value, state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
+  return step

@@ -1,0 +1,127 @@
+"""Flax Linen adapter: a ``TrainState`` whose step fuses the optimizer update.
+
+``optfuse.linen.TrainState`` is ``flax.training.train_state.TrainState`` with two more static
+fields (the fusion ``mode`` and the cached fused transformation) and one more method:
+
+* ``state.value_and_update(loss_fn, *args)`` replaces
+  ``jax.value_and_grad(loss_fn)(state.params, *args)`` followed by
+  ``state.apply_gradients(grads=grads)``: the params and ``opt_state`` are updated inside the
+  backward pass and ``step`` is incremented.
+
+Everything else is Flax's: ``opt_state`` keeps optax's layout (in "backward" and "off" mode),
+``apply_gradients`` and ``replace`` work, and the class can be subclassed to carry more fields
+(``batch_stats``...) exactly like Flax's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optax
+from flax import struct
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training import train_state
+
+from optfuse._errors import ParamsStructureError
+from optfuse._fuse import FusedTransformation, fuse
+
+
+class TrainState(train_state.TrainState):
+  """Flax's ``TrainState`` with a fused ``value_and_update`` step.
+
+  Attributes:
+    step: number of updates applied so far.
+    apply_fn: usually ``model.apply``.
+    params: the params updated by ``tx``.
+    tx: the optax transformation.
+    opt_state: the state of ``tx``; exactly ``tx.init(params)`` at creation in "backward" and
+      "off" mode, so checkpoints and ``apply_gradients`` interoperate with plain Flax.
+    mode: the fusion mode, "backward", "forward" or "off" (static: part of the jit cache key).
+    fused: the ``optfuse.fuse(tx, mode)`` transformation, built once by ``create`` and carried
+      along by ``replace`` so that its update plans are cached across steps.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optfuse.linen
+    >>> import flax.linen as nn
+    >>> model = nn.Dense(2)
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
+    >>> params = model.init(jax.random.key(0), x)["params"]
+    >>> state = optfuse.linen.TrainState.create(
+    ...     apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    >>> def loss_fn(params, x, y):
+    ...   return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+    >>> loss, state = jax.jit(lambda s, x, y: s.value_and_update(loss_fn, x, y))(state, x, y)
+    >>> int(state.step)
+    1
+  """
+
+  mode: str = struct.field(pytree_node=False, default="backward", kw_only=True)
+  fused: FusedTransformation | None = struct.field(
+      pytree_node=False, default=None, kw_only=True, repr=False)
+
+  @classmethod
+  def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation,
+             mode: str = "backward", **kwargs) -> TrainState:
+    """A new state with ``step=0`` and ``opt_state = optfuse.fuse(tx, mode).init(params)``.
+
+    Args:
+      apply_fn: usually ``model.apply``.
+      params: the params to train.
+      tx: the optax transformation.
+      mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
+      **kwargs: the other fields of a subclass (``batch_stats=...``).
+
+    Returns:
+      The new state.
+
+    Raises:
+      UnknownModeError: ``mode`` is not a fusion mode.
+      ParamsStructureError: ``params`` holds fp8 overwrite-with-gradient params, which are not
+        trained by ``tx`` and cannot be fused.
+    """
+    if isinstance(params, Mapping) and OVERWRITE_WITH_GRADIENT in params:
+      raise ParamsStructureError(
+          f"params hold a {OVERWRITE_WITH_GRADIENT!r} collection (fp8 training); its values are "
+          "overwritten by their gradients, not trained by tx, so optfuse cannot fuse them. Use "
+          "flax.training.train_state.TrainState for fp8 training.")
+    fused = fuse(tx, mode)
+    return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=fused.init(params),
+               mode=mode, fused=fused, **kwargs)
+
+  def _fused(self) -> FusedTransformation:
+    if self.fused is not None and self.fused.tx is self.tx and self.fused.mode == self.mode:
+      return self.fused
+    return fuse(self.tx, self.mode)
+
+  def value_and_update(self, loss_fn: Callable, *args, has_aux: bool = False,
+                       **kwargs) -> tuple[Any, TrainState]:
+    """One fused training step.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a float scalar, or
+        ``(loss, aux)`` with ``has_aux``; the same function ``jax.value_and_grad`` would take.
+      *args: the other positional arguments of ``loss_fn`` (the batch, dropout keys...).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; put updated mutable collections
+        (``batch_stats``) in ``aux`` and ``replace`` them into the state afterwards.
+      **kwargs: keyword arguments of ``loss_fn``.
+
+    Returns:
+      ``(value, state)``: the loss (or ``(loss, aux)``) at the old params, and the state with
+      new ``params`` and ``opt_state`` and ``step + 1``.
+    """
+    fused = self._fused()
+    step = fused.value_and_update(loss_fn, has_aux=has_aux)
+    value, params, opt_state = step(self.params, self.opt_state, *args, **kwargs)
+    return value, self.replace(step=self.step + 1, params=params, opt_state=opt_state,
+                               fused=fused)
+
+  def flush(self) -> TrainState:
+    """Applies a pending forward-mode update (identity in "backward" and "off" mode).
+
+    Returns:
+      The state whose ``params`` are the trained params, e.g. for evaluation or checkpoints.
+    """
+    fused = self._fused()
+    params, opt_state = fused.flush(self.params, self.opt_state)
+    return self.replace(params=params, opt_state=opt_state, fused=fused)

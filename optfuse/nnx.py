@@ -1,0 +1,125 @@
+"""Flax NNX adapter: an ``nnx.Optimizer`` whose step fuses the optimizer update.
+
+``optimizer.value_and_update(model, loss_fn, *args)`` replaces
+``nnx.value_and_grad(loss_fn)(model, *args)`` followed by ``optimizer.update(model, grads)``.
+
+NNX objects are mutable, the fused step is a pure function: the model and the arguments are
+split once into the trained params (the ``wrt`` variables of the model), the other variables
+(batch statistics, RNG counters, variables of modules or ``nnx.Rngs`` passed as arguments) and
+the rest. The loss merges them back inside the fused step and returns the variables it changed,
+which are written back into the caller's objects with ``nnx.update``, as are the new params and
+optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax.nnx import filterlib
+from flax.nnx.training import optimizer as nnx_optimizer
+
+from optfuse._backward import check_loss
+from optfuse._fuse import fuse
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+class Optimizer(nnx.Optimizer[M]):
+  """``nnx.Optimizer`` with a fused ``value_and_update`` step.
+
+  ``step``, ``tx``, ``wrt`` and ``opt_state`` (the state of ``tx`` in ``nnx.Optimizer``'s
+  layout, ``OptState`` variables around ``tx.init(nnx.state(model, wrt))`` in "backward" and
+  "off" mode) are those of ``nnx.Optimizer``, so ``update(model, grads)`` still works.
+
+  Attributes:
+    mode: the fusion mode, "backward", "forward" or "off".
+    fused: the ``optfuse.fuse(tx, mode)`` transformation; it caches the update plans.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optfuse.nnx
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = optfuse.nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x, y):
+    ...   loss_fn = lambda model, x, y: jnp.mean((model(x) - y) ** 2)
+    ...   return optimizer.value_and_update(model, loss_fn, x, y)
+    >>> first = train_step(model, optimizer, x, y)
+    >>> bool(train_step(model, optimizer, x, y) < first), int(optimizer.step[...])
+    (True, 2)
+  """
+
+  def __init__(self, model: M, tx: optax.GradientTransformation, *,
+               wrt: filterlib.Filter = nnx.Param, mode: str = "backward",
+               graph: bool | None = None):
+    """Builds the optimizer state of the ``wrt`` variables of ``model``.
+
+    Args:
+      model: the NNX module to train.
+      tx: the optax transformation.
+      wrt: filter of the variables to train (as for ``nnx.Optimizer`` and ``nnx.grad``).
+      mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
+      graph: NNX graph mode (``True``) or tree mode (``False``); ``None``: NNX's current mode.
+
+    Raises:
+      UnknownModeError: ``mode`` is not a fusion mode.
+    """
+    fused = fuse(tx, mode)
+    # nnx.Optimizer.__init__ would build the state with tx.init; the fused transformation's init
+    # gives the layout of its mode, so the attributes are set here as nnx.Optimizer sets them.
+    self.graph = graph
+    self.step = nnx_optimizer.OptState(jnp.array(0, dtype=jnp.uint32))
+    self.tx = tx
+    self.opt_state = nnx.data(nnx_optimizer.to_opt_state(
+        fused.init(nnx.state(model, wrt, graph=graph))))
+    self.wrt = wrt
+    self.mode = mode
+    self.fused = fused
+
+  def value_and_update(self, model: M, loss_fn: Callable, *args, has_aux: bool = False,
+                       **kwargs) -> Any:
+    """One fused training step, updating ``model`` and the optimizer in place.
+
+    Args:
+      model: the module this optimizer was built for.
+      loss_fn: ``loss_fn(model, *args, **kwargs)`` returning a float scalar, or ``(loss, aux)``
+        with ``has_aux``; the function ``nnx.value_and_grad`` would take. Variables it changes
+        (BatchNorm statistics, RNG counters), in the model or in the arguments, are written
+        back.
+      *args: the other positional arguments of ``loss_fn`` (arrays, ``nnx.Rngs``, modules...).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      **kwargs: keyword arguments of ``loss_fn``.
+
+    Returns:
+      The loss, or ``(loss, aux)`` with ``has_aux``, at the params before the update.
+    """
+    trained = filterlib.to_predicate(self.wrt)
+
+    def in_model_and_trained(path, value) -> bool:
+      return len(path) > 0 and path[0] == 0 and trained(path[1:], value)
+
+    graph_kw = {"graph": self.graph}
+    graphdef, params, variables, rest = nnx.split(
+        (model, args, kwargs), in_model_and_trained, nnx.Variable, ..., **graph_kw)
+
+    def pure_loss(params, variables, rest):
+      model_, args_, kwargs_ = nnx.merge(graphdef, nnx.State({0: params}), variables, rest)
+      out = loss_fn(model_, *args_, **kwargs_)
+      loss, aux = check_loss(out, has_aux)
+      _, _, new_variables, _ = nnx.split(
+          (model_, args_, kwargs_), in_model_and_trained, nnx.Variable, ..., **graph_kw)
+      return loss, (aux, nnx.as_pure(new_variables))
+
+    step = self.fused.value_and_update(pure_loss, has_aux=True)
+    (loss, (aux, new_variables)), new_params, new_opt_state = step(
+        nnx.as_pure(params[0]), nnx.as_pure(self.opt_state), nnx.as_pure(variables), rest)
+    nnx.update(model, new_params)
+    nnx.update((model, args, kwargs), new_variables)
+    nnx.update(self.opt_state, nnx.state(new_opt_state, **graph_kw))
+    self.step[...] += 1
+    return (loss, aux) if has_aux else loss

@@ -1,0 +1,253 @@
+"""optfuse.linen.TrainState and optfuse.train_step train a Linen model exactly like Flax.
+
+The reference is the canonical Flax step on ``flax.training.train_state.TrainState``:
+``jax.value_and_grad`` then ``state.apply_gradients``, with the updated ``batch_stats`` returned
+as aux and a dropout key folded from the step. The fused steps are
+``optfuse.linen.TrainState.value_and_update`` and ``optfuse.train_step`` on a plain Flax
+``TrainState``; after N jitted steps the params, batch statistics, optimizer state and step must
+agree.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training import train_state
+
+import optfuse
+import optfuse._train_step
+import optfuse.linen
+
+STEPS = 50
+DROPOUT_KEY = jax.random.key(42)
+
+
+class FlaxState(train_state.TrainState):
+  batch_stats: Any
+
+
+class FusedState(optfuse.linen.TrainState):
+  batch_stats: Any
+
+
+class ConvNet(nn.Module):
+  """Conv (no bias: BatchNorm follows), BatchNorm, Dropout, Dense."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    h = nn.Conv(4, (3, 3), use_bias=False)(x)
+    h = nn.relu(nn.BatchNorm(use_running_average=not train)(h))
+    h = nn.Dropout(0.3, deterministic=not train)(h)
+    return nn.Dense(3)(h.reshape(h.shape[0], -1))
+
+
+class TiedLm(nn.Module):
+  """Embedding used for the lookup and (tied) the output projection, with dropout."""
+
+  @nn.compact
+  def __call__(self, tokens, train: bool):
+    embed = nn.Embed(11, 8)
+    h = embed(tokens)
+    h = h + nn.Dropout(0.2, deterministic=not train)(nn.gelu(nn.Dense(8)(h)))
+    return embed.attend(nn.LayerNorm()(h))
+
+
+class Block(nn.Module):
+  train: bool
+
+  @nn.compact
+  def __call__(self, h, _):
+    z = nn.Dropout(0.1, deterministic=not self.train)(nn.gelu(nn.Dense(8)(nn.LayerNorm()(h))))
+    return h + z, None
+
+
+class ScannedBlocks(nn.Module):
+  """Three blocks stacked with ``nn.scan`` (params stacked on axis 0, dropout in the loop)."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True,
+                                                                     "dropout": True},
+                     length=3)(train)
+    h, _ = blocks(nn.Dense(8)(x), None)
+    return nn.Dense(2)(h)
+
+
+def _classify(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _cnn_case():
+  x = jax.random.normal(jax.random.key(1), (5, 6, 6, 1))
+  return ConvNet(), (x, jnp.arange(5) % 3), _classify
+
+
+def _tied_lm_case():
+  tokens = jax.random.randint(jax.random.key(2), (4, 7), 0, 11)
+  return TiedLm(), (tokens[:, :-1], tokens[:, 1:]), _classify
+
+
+def _scanned_case():
+  x = jax.random.normal(jax.random.key(3), (6, 4))
+  return ScannedBlocks(), (x, jnp.sin(x[:, :2])), lambda out, y: jnp.mean((out - y) ** 2)
+
+
+CASES = {"conv_batchnorm_dropout": _cnn_case, "tied_embed_lm": _tied_lm_case,
+         "scanned_blocks": _scanned_case}
+
+
+def _setup(case: str):
+  """The model's variables and ``loss_fn(params, batch_stats, batch, key) -> (loss, stats)``."""
+  model, batch, criterion = CASES[case]()
+  variables = model.init(jax.random.key(0), batch[0], train=False)
+
+  def loss_fn(params, batch_stats, batch, key):
+    x, y = batch
+    out, updates = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                               rngs={"dropout": key}, mutable=["batch_stats"])
+    return criterion(out, y), updates.get("batch_stats", {})
+
+  return model, variables["params"], variables.get("batch_stats", {}), batch, loss_fn
+
+
+def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS):
+  model, params, batch_stats, batch, loss_fn = _setup(case)
+  tx = optax.adamw(1e-2, weight_decay=1e-2)
+  if variant == "flax":
+    state = FlaxState.create(apply_fn=model.apply, params=params, tx=tx, batch_stats=batch_stats)
+
+    def train_step(state, batch):
+      key = jax.random.fold_in(DROPOUT_KEY, state.step)
+      grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+      (loss, stats), grads = grad_fn(state.params, state.batch_stats, batch, key)
+      state = state.apply_gradients(grads=grads)
+      return state.replace(batch_stats=stats), loss
+  elif variant == "train_state":
+    state = FusedState.create(apply_fn=model.apply, params=params, tx=tx, mode=mode,
+                              batch_stats=batch_stats)
+
+    def train_step(state, batch):
+      key = jax.random.fold_in(DROPOUT_KEY, state.step)
+      (loss, stats), state = state.value_and_update(loss_fn, state.batch_stats, batch, key,
+                                                    has_aux=True)
+      return state.replace(batch_stats=stats), loss
+  else:
+    state = FlaxState.create(apply_fn=model.apply, params=params, tx=tx, batch_stats=batch_stats)
+    fused_step = optfuse._train_step.train_step(loss_fn, has_aux=True, mode=mode)
+
+    def train_step(state, batch):
+      key = jax.random.fold_in(DROPOUT_KEY, state.step)
+      (loss, stats), state = fused_step(state, state.batch_stats, batch, key)
+      return state.replace(batch_stats=stats), loss
+
+  train_step = jax.jit(train_step)
+  losses = []
+  for _ in range(steps):
+    state, loss = train_step(state, batch)
+    losses.append(loss)
+  return np.asarray(losses), state
+
+
+@functools.cache
+def _reference(case: str):
+  return _train(case, "flax")
+
+
+def _trained(state) -> dict:
+  return {"params": state.params, "batch_stats": state.batch_stats,
+          "opt_state": state.opt_state, "step": state.step}
+
+
+# float32, the same operations as the reference but compiled into different XLA fusions: results
+# agree to a few ulps per step; over 50 Adam steps that stays below 1e-5 relative.
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+# Every model in backward mode through both entry points; mode="off" is optax itself, so one
+# model checks that the adapters pass it through.
+RUNS = [(case, variant, "backward") for case in CASES for variant in ("train_state", "decorator")]
+RUNS += [("conv_batchnorm_dropout", variant, "off") for variant in ("train_state", "decorator")]
+
+
+@pytest.mark.parametrize(("case", "variant", "mode"), RUNS)
+def test_fused_step_matches_flax_apply_gradients_over_50_steps(case, variant, mode):
+  ref_losses, ref_state = _reference(case)
+  losses, state = _train(case, variant, mode)
+  np.testing.assert_allclose(losses, ref_losses, **TOL)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+
+
+def test_create_builds_the_optax_opt_state_and_a_static_mode():
+  _, params, _, _, _ = _setup("tied_embed_lm")
+  tx = optax.adam(1e-3)
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=tx)
+  chex.assert_trees_all_equal(state.opt_state, tx.init(params))
+  assert state.step == 0 and state.mode == "backward"
+  assert len(jax.tree.leaves(state)) == 1 + 3 * len(jax.tree.leaves(params)) + 1
+
+
+def test_jitted_step_is_traced_once():
+  _, params, _, batch, loss_fn = _setup("tied_embed_lm")
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+  traces = []
+
+  @jax.jit
+  def train_step(state, batch):
+    traces.append(None)
+    (loss, _), state = state.value_and_update(loss_fn, {}, batch, DROPOUT_KEY, has_aux=True)
+    return state, loss
+
+  for _ in range(3):
+    state, _ = train_step(state, batch)
+  assert len(traces) == 1
+  assert int(state.step) == 3
+
+
+def test_apply_gradients_and_replace_still_work_after_a_fused_step():
+  _, params, _, batch, loss_fn = _setup("tied_embed_lm")
+  tx = optax.adam(1e-2)
+  grad_fn = jax.grad(lambda p: loss_fn(p, {}, batch, DROPOUT_KEY)[0])
+
+  @jax.jit
+  def fused_then_plain(state):
+    _, state = state.value_and_update(loss_fn, {}, batch, DROPOUT_KEY, has_aux=True)
+    return state.apply_gradients(grads=grad_fn(state.params))
+
+  @jax.jit
+  def plain_twice(state):
+    state = state.apply_gradients(grads=grad_fn(state.params))
+    return state.apply_gradients(grads=grad_fn(state.params))
+
+  fused = fused_then_plain(optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=tx))
+  plain = plain_twice(train_state.TrainState.create(apply_fn=None, params=params, tx=tx))
+  # float32, same operations, different XLA fusions: a few ulps.
+  chex.assert_trees_all_close((fused.params, fused.opt_state, fused.step),
+                              (plain.params, plain.opt_state, plain.step), rtol=1e-6, atol=1e-7)
+  assert fused.replace(step=7).step == 7 and fused.replace(step=7).mode == "backward"
+
+
+def test_train_step_defers_to_the_mode_of_an_optfuse_train_state():
+  _, params, _, batch, loss_fn = _setup("tied_embed_lm")
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1),
+                                          mode="off")
+  step = optfuse._train_step.train_step(loss_fn, has_aux=True)
+  (loss, _), new_state = step(state, {}, batch, DROPOUT_KEY)
+  assert new_state.mode == "off" and int(new_state.step) == 1
+  with pytest.raises(ValueError, match="mode='off'"):
+    optfuse._train_step.train_step(loss_fn, has_aux=True, mode="backward")(
+        state, {}, batch, DROPOUT_KEY)
+
+
+def test_create_refuses_fp8_overwrite_with_gradient_params():
+  params = {"params": {"w": jnp.ones(2)}, OVERWRITE_WITH_GRADIENT: {"scale": jnp.ones(())}}
+  with pytest.raises(optfuse.ParamsStructureError, match=OVERWRITE_WITH_GRADIENT):
+    optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
