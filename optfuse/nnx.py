@@ -123,3 +123,18 @@ class Optimizer(nnx.Optimizer[M]):
     nnx.update(self.opt_state, nnx.state(new_opt_state, **graph_kw))
     self.step[...] += 1
     return (loss, aux) if has_aux else loss
+
+  def flush(self, model: M) -> None:
+    """Applies a pending forward-mode update to ``model`` (a no-op in the other modes).
+
+    In "forward" mode each step applies the previous step's update before its forward pass, so
+    after the last step the model is one update behind; call ``flush`` before evaluating or
+    saving it.
+
+    Args:
+      model: the module this optimizer was built for.
+    """
+    params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+    params, opt_state = self.fused.flush(params, nnx.as_pure(self.opt_state))
+    nnx.update(model, params)
+    nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))

@@ -154,6 +154,9 @@ def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS):
   for _ in range(steps):
     state, loss = train_step(state, batch)
     losses.append(loss)
+  if mode == "forward":
+    state = state.flush()
+    state = state.replace(opt_state=state.opt_state.opt_state)
   return np.asarray(losses), state
 
 
@@ -172,9 +175,11 @@ def _trained(state) -> dict:
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-# Every model in backward mode through both entry points; mode="off" is optax itself, so one
-# model checks that the adapters pass it through.
+# Every model in backward mode through both entry points, and in forward mode (compared after
+# ``flush``, in optax's layout); mode="off" is optax itself, so one model checks that the adapters
+# pass it through.
 RUNS = [(case, variant, "backward") for case in CASES for variant in ("train_state", "decorator")]
+RUNS += [(case, "train_state", "forward") for case in CASES]
 RUNS += [("conv_batchnorm_dropout", variant, "off") for variant in ("train_state", "decorator")]
 
 
