@@ -1,0 +1,14 @@
+"""``python -m optfuse.bench``: step time, compile time and compiled memory, fused vs optax.
+
+Run ``python -m optfuse.bench --quick`` (about a minute on two CPU cores), or without ``--quick``
+for the full suite (larger models and the 184M-parameter scanned GPT). ``--out DIR`` writes
+``results.json``, ``results.md`` and ``results.png``. The same command runs on CPU, GPU and TPU:
+JAX picks the backend.
+
+Modules: ``_models`` (the models in plain JAX), ``_timing`` (compiling and interleaved timing),
+``_suite`` (the suites and the measuring loop, the memory floor), ``_report`` (tables, files,
+plot), ``__main__`` (the command line).
+"""
+
+from optfuse.bench._suite import SUITES as SUITES
+from optfuse.bench._suite import run_suite as run_suite

@@ -1,0 +1,300 @@
+"""The benchmark suites and the loop that measures them.
+
+A *cell* is a model and an optimizer. Every mode of a cell is compiled (the compile time and the
+compiled memory are read from that executable), then the modes that compiled are timed together,
+interleaved, on the same batch from the same params. A mode that cannot run the optimizer — a
+non-separable transform in backward mode, a mode this version does not implement — is recorded
+with its reason and not timed.
+
+The memory floor of a cell is an estimate: optax's compiled peak, minus the whole gradient, plus
+the gradient bytes that must be live at once even when every update is fused at the earliest
+point (``Model.live_grad_bytes``: one layer's slice of the stacked leaves plus the leaves outside
+the loop for scanned decoders, the largest leaf for unrolled models, the whole accumulator for
+gradient accumulation), and never less than the step's inputs plus outputs. It assumes optax
+holds the whole gradient at its peak: true when the backward pass is a scan (the stacked gradient
+is the scan's output), optimistic for unrolled models, where XLA already frees gradient buffers
+early and optax's peak can be below optax-minus-gradient plus the live part.
+
+The ``large`` section compiles big scanned decoders from ``jax.ShapeDtypeStruct``s only
+(``optfuse.memory_report``): nothing is allocated, so it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import platform
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from tqdm.auto import tqdm
+
+import optfuse
+from optfuse import _fuse, _memory
+from optfuse.bench import _models, _timing
+from optfuse.bench._models import DecoderConfig, Model
+
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "adamw": lambda: optax.adamw(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+}
+
+# Global-gradient transforms (clipping) cannot run in plain backward mode; they are measured in
+# the modes that handle them.
+SEPARABLE_MODES = ("off", "backward", "forward")
+GLOBAL_MODES = ("off", "forward", "two_pass")
+
+
+def modes_for(optimizer: str) -> tuple[str, ...]:
+  """The modes a cell with ``optimizer`` is measured in, "off" (the reference) first."""
+  return GLOBAL_MODES if optimizer.startswith("clip") else SEPARABLE_MODES
+
+
+def make_fused(tx: optax.GradientTransformation, mode: str,
+               step_options: dict[str, Any] | None = None) -> _fuse.FusedTransformation:
+  """``optfuse.fuse`` for a benchmark mode; "two_pass" is backward mode with two-pass globals.
+
+  Raises:
+    NotImplementedError: this optfuse version has no such mode, or its ``value_and_update``
+      does not take ``step_options``.
+  """
+  fx = _make_fused(tx, mode)
+  missing = set(step_options or ()) - set(inspect.signature(fx.value_and_update).parameters)
+  if missing:
+    raise NotImplementedError(
+        f"this optfuse version's value_and_update has no option {', '.join(sorted(missing))}")
+  return fx
+
+
+def _make_fused(tx: optax.GradientTransformation, mode: str) -> _fuse.FusedTransformation:
+  if mode != "two_pass":
+    return optfuse.fuse(tx, mode=mode)
+  if "global_ops" not in inspect.signature(optfuse.fuse).parameters:
+    raise NotImplementedError("this optfuse version has no two-pass option (global_ops)")
+  return optfuse.fuse(tx, mode="backward", global_ops="two_pass")
+
+
+class Cell(NamedTuple):
+  model: Model
+  optimizer: str
+
+
+class Suite(NamedTuple):
+  """What one run measures and how long it times each cell.
+
+  Attributes:
+    name: "smoke", "quick", "memory" or "full".
+    cells: the timed (model, optimizer) pairs.
+    large: models measured compile-only with adamw from ``jax.ShapeDtypeStruct``s (the big
+      scanned decoders).
+    rounds: interleaved timed runs per mode.
+    warmup: untimed steps per mode after compiling.
+    min_run_s: the least duration of one timed run.
+  """
+
+  name: str
+  cells: tuple[Cell, ...]
+  large: tuple[Model, ...]
+  rounds: int
+  warmup: int
+  min_run_s: float
+
+
+SEPARABLE = ("sgd_momentum", "adamw", "lion", "adafactor")
+
+
+def _grid(models, optimizers) -> list[Cell]:
+  return [Cell(m, o) for m in models for o in optimizers]
+
+
+def _large_decoders() -> tuple[Model, ...]:
+  # About 1.3B parameters: the loop-fusion issue's target (24 layers, d=2048, T=2048).
+  one_b = DecoderConfig(layers=24, dim=2048, heads=16, ff=8192, vocab=32000, seq=2048, batch=1)
+  # About 6.7B parameters: 32 layers, d=4096 (a plain two-matrix MLP with ff=16384).
+  seven_b = DecoderConfig(layers=32, dim=4096, heads=32, ff=16384, vocab=32000, seq=2048, batch=1)
+  return (_models.decoder(one_b, scanned=True, remat=True, name="decoder_1.3b"),
+          _models.decoder(seven_b, scanned=True, remat=True, name="decoder_6.7b"))
+
+
+def smoke_suite() -> Suite:
+  """Seconds: the smallest models, for tests."""
+  mlp = _models.mlp(depth=2, width=16, inputs=8, batch=4)
+  scan_mlp = _models.scan_mlp(depth=3, width=16, inputs=8, batch=4)
+  cells = (Cell(scan_mlp, "adamw"), Cell(mlp, "clip_adamw"))
+  large = (scan_mlp._replace(name="scan_mlp_tiny"),)
+  return Suite("smoke", cells, large, rounds=2, warmup=1, min_run_s=0.001)
+
+
+def quick_suite() -> Suite:
+  """About a minute on two CPU cores.
+
+  Compiling dominates on CPU (several CPU-seconds per mode for a small transformer, whatever
+  its size), so the quick suite sweeps the models with adamw and the optimizers on the scanned
+  MLP, and compiles only the 1.3B decoder for the memory section.
+  """
+  small = DecoderConfig(layers=4, dim=64, heads=4, ff=256, vocab=256, seq=32, batch=4)
+  models = [
+      _models.mlp(depth=4, width=256, inputs=128, batch=64),
+      _models.cnn(channels=(16, 32), image=16, batch=16),
+      _models.decoder(small._replace(layers=2), scanned=False, remat=False),
+      _models.decoder(small, scanned=True, remat=False),
+      _models.decoder(small, scanned=True, remat=True),
+      _models.grad_accum(micro=4, depth=4, width=256, inputs=128, batch=16),
+  ]
+  scan_mlp = _models.scan_mlp(depth=8, width=256, inputs=128, batch=64)
+  cells = _grid(models, ["adamw"]) + _grid([scan_mlp], OPTIMIZERS)
+  return Suite("quick", tuple(cells), _large_decoders()[:1], rounds=11, warmup=2,
+               min_run_s=0.015)
+
+
+def memory_suite() -> Suite:
+  """Only the compile-only memory of the 1.3B and 6.7B scanned decoders."""
+  return Suite("memory", (), _large_decoders(), rounds=0, warmup=0, min_run_s=0.0)
+
+
+def full_suite() -> Suite:
+  """Larger models, more rounds, and the 184M-parameter scanned GPT with AdamW."""
+  medium = DecoderConfig(layers=8, dim=256, heads=4, ff=1024, vocab=1024, seq=128, batch=8)
+  gpt = DecoderConfig(layers=12, dim=1024, heads=16, ff=4096, vocab=32000, seq=512, batch=1)
+  models = [
+      _models.mlp(depth=8, width=1024, inputs=512, batch=128),
+      _models.scan_mlp(depth=16, width=1024, inputs=512, batch=128),
+      _models.cnn(channels=(32, 64, 128), image=32, batch=32),
+      _models.decoder(medium, scanned=False, remat=False),
+      _models.decoder(medium, scanned=True, remat=False),
+      _models.decoder(medium, scanned=True, remat=True),
+      _models.grad_accum(micro=8, depth=8, width=1024, inputs=512, batch=32),
+  ]
+  cells = _grid(models, SEPARABLE) + [Cell(m, "clip_adamw") for m in models]
+  cells.append(Cell(_models.decoder(gpt, scanned=True, remat=True, name="gpt_184m"), "adamw"))
+  return Suite("full", tuple(cells), _large_decoders(), rounds=7, warmup=2, min_run_s=0.2)
+
+
+SUITES = {"smoke": smoke_suite, "quick": quick_suite, "memory": memory_suite,
+          "full": full_suite}
+
+
+def environment() -> dict[str, Any]:
+  """Where the numbers come from."""
+  device = jax.devices()[0]
+  return {
+      "jax_version": jax.__version__,
+      "optax_version": optax.__version__,
+      "optfuse_version": optfuse.__version__,
+      "backend": jax.default_backend(),
+      "device_kind": device.device_kind,
+      "device_count": jax.device_count(),
+      "python": platform.python_version(),
+      "machine": platform.machine(),
+      "cpu_count": os.cpu_count(),
+  }
+
+
+def _load_average() -> float | None:
+  """The 1-minute load average (other processes slow the timings down), where known."""
+  return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def floor_bytes(model: Model, params, off_memory: dict[str, int]) -> int:
+  """The estimated memory floor of a cell (see the module docstring)."""
+  grads = _models.grad_bytes(params)
+  persistent = (off_memory["argument_bytes"] + off_memory["output_bytes"]
+                - off_memory["alias_bytes"])
+  return max(persistent, off_memory["peak_bytes"] - grads + model.live_grad_bytes(params))
+
+
+def _reason(e: BaseException) -> str:
+  return f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
+
+
+def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
+  """Compiles and times every mode of one cell; one row per mode.
+
+  A mode that raises one of ``optfuse._memory.UNAVAILABLE_ERRORS`` is recorded as unavailable;
+  any other exception is recorded as a failure (``row["failed"]``) so that the other cells still
+  run, and the command exits with an error.
+  """
+  model, tx = cell.model, OPTIMIZERS[cell.optimizer]()
+  base = {"section": "timing", "model": model.name, "description": model.description,
+          "optimizer": cell.optimizer, "grad_bytes": _models.grad_bytes(model.params)}
+  rows: dict[str, dict[str, Any]] = {}
+  trainers: dict[str, _timing.Trainer] = {}
+  batch = _models.materialize(model.batch, seed=1)
+  modes = modes_for(cell.optimizer)
+  for mode in (*modes[1:], modes[0]):
+    row = rows[mode] = {**base, "mode": mode}
+    if mode == "off" and not trainers:
+      row["unavailable"] = "no fused mode to compare with"
+      continue
+    params = _models.materialize(model.params, seed=0)
+    try:
+      fx = make_fused(tx, mode, model.step_options)
+      state = jax.jit(fx.init)(params)
+      compiled, row["compile_s"] = _timing.compile_step(fx, model.loss, params, batch,
+                                                        **model.step_options)
+    except _memory.UNAVAILABLE_ERRORS as e:
+      row["unavailable"] = _reason(e)
+      continue
+    except Exception as e:  # a library bug: recorded, the command then exits with an error
+      row["failed"] = _reason(e)
+      continue
+    row.update(_memory.compiled_memory(compiled))
+    trainers[mode] = _timing.Trainer(compiled, params, state, batch)
+  if "off" in trainers:
+    timing = _timing.interleaved(trainers, "off", suite.rounds, suite.warmup, suite.min_run_s)
+    off = rows["off"]
+    floor = floor_bytes(model, model.params, off)
+    for mode, trainer in trainers.items():
+      row = rows[mode]
+      row.update(step_ms=timing.step_s[mode] * 1e3, time_ratio=timing.ratio[mode],
+                 compile_ratio=row["compile_s"] / off["compile_s"],
+                 peak_ratio=row["peak_bytes"] / off["peak_bytes"], floor_bytes=floor,
+                 peak_vs_floor=row["peak_bytes"] / floor, steps_timed=trainer.steps,
+                 steps_per_run=timing.steps_per_run, final_loss=float(trainer.loss))
+  return [rows[mode] for mode in modes]
+
+
+def run_large(model: Model) -> list[dict[str, Any]]:
+  """Compile-only memory of a model with adamw in every mode; allocates nothing."""
+  params = _models.abstract(model.params)
+  base = {"section": "memory", "model": model.name, "description": model.description,
+          "optimizer": "adamw", "grad_bytes": _models.grad_bytes(params)}
+  try:
+    report = _memory.memory_report(model.loss, optax.adamw(1e-3), params,
+                                   *_models.abstract(model.batch))
+  except Exception as e:  # a library bug: recorded, the command then exits with an error
+    return [{**base, "mode": mode, "failed": _reason(e)} for mode in _memory.MODES]
+  floor = floor_bytes(model, params, report["off"])
+  rows = []
+  for mode in _memory.MODES:
+    row = {**base, "mode": mode}
+    if mode in report:
+      row.update(report[mode], peak_ratio=report[mode]["peak_bytes"] / report["off"]["peak_bytes"],
+                 floor_bytes=floor, peak_vs_floor=report[mode]["peak_bytes"] / floor)
+    else:
+      row["unavailable"] = _memory.first_sentence(report.unavailable[mode])
+    rows.append(row)
+  return rows
+
+
+def run_suite(suite: Suite, progress: bool = True) -> list[dict[str, Any]]:
+  """Measures every cell and large model of ``suite``; returns the rows with the environment."""
+  env = {**environment(), "suite": suite.name, "load_average_start": _load_average()}
+  jobs = [(f"{c.model.name}/{c.optimizer}", lambda c=c: run_cell(c, suite)) for c in suite.cells]
+  jobs += [(f"{m.name}/adamw (compile only)", lambda m=m: run_large(m)) for m in suite.large]
+  rows = []
+  with tqdm(jobs, desc=f"optfuse.bench {suite.name}", unit="cell", disable=not progress) as bar:
+    for label, job in bar:
+      bar.set_postfix_str(label)
+      rows.extend(job())
+  env["load_average_end"] = _load_average()
+  for row in rows:
+    row.setdefault("time_ratio", None)
+    row.setdefault("peak_bytes", None)
+    row.update(env)
+  return rows

@@ -1,0 +1,86 @@
+"""``python -m optfuse.bench``: the smoke suite writes every output, with honest, complete rows."""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from optfuse.bench import __main__ as bench_main
+from optfuse.bench import _models, _suite
+
+REQUIRED = ("model", "optimizer", "mode", "time_ratio", "peak_bytes", "jax_version", "backend",
+            "device_kind")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench")
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    code = bench_main.main(["--smoke", "--out", str(out), "--no-progress"])
+  return code, out, stdout.getvalue()
+
+
+def test_smoke_run_succeeds_and_writes_json_markdown_and_png(smoke_run):
+  code, out, _ = smoke_run
+  assert code == 0
+  assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (out / "results.md").read_text().startswith("## optfuse.bench `smoke`")
+
+
+def test_results_json_is_a_list_of_rows_with_the_required_fields(smoke_run):
+  _, out, _ = smoke_run
+  rows = json.loads((out / "results.json").read_text())
+  assert isinstance(rows, list) and rows
+  for row in rows:
+    assert set(REQUIRED) <= set(row), row
+    assert not row.get("failed"), row
+  suite = _suite.smoke_suite()
+  expected = {(c.model.name, c.optimizer, mode)
+              for c in suite.cells for mode in _suite.modes_for(c.optimizer)}
+  expected |= {(m.name, "adamw", mode)
+               for m in suite.large for mode in ("off", "backward", "forward")}
+  assert {(r["model"], r["optimizer"], r["mode"]) for r in rows} == expected
+
+
+def test_every_row_is_measured_or_says_why_not(smoke_run):
+  _, out, _ = smoke_run
+  for row in json.loads((out / "results.json").read_text()):
+    if row.get("unavailable"):
+      assert row["peak_bytes"] is None and row["time_ratio"] is None
+      continue
+    assert row["peak_bytes"] == (row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"]
+                                 - row["alias_bytes"])
+    if row["section"] == "timing":
+      assert row["time_ratio"] > 0 and row["step_ms"] > 0 and row["compile_s"] > 0
+      if row["mode"] == "off":
+        assert row["peak_ratio"] == 1.0 and row["compile_ratio"] == 1.0
+    else:
+      assert row["time_ratio"] is None
+    assert 0 < row["floor_bytes"] <= row["peak_bytes"] / row["peak_ratio"]
+
+
+def test_every_mode_trains_to_the_same_loss_as_optax(smoke_run):
+  _, out, _ = smoke_run
+  rows = [r for r in json.loads((out / "results.json").read_text()) if "final_loss" in r]
+  for row in rows:
+    off = next(r for r in rows if r["model"] == row["model"] and r["optimizer"] == row["optimizer"]
+               and r["mode"] == "off")
+    # Same params, batch and number of steps (a few dozen); float32 with different fusion order.
+    assert row["final_loss"] == pytest.approx(off["final_loss"], rel=1e-4), row["mode"]
+
+
+def test_the_markdown_table_is_printed_at_the_end(smoke_run):
+  _, out, printed = smoke_run
+  assert (out / "results.md").read_text().strip() in printed
+  assert "| model | optimizer | mode | step |" in printed
+
+
+def test_floor_of_a_scanned_model_keeps_one_layer_of_gradient():
+  model = _models.scan_mlp(depth=4, width=8, inputs=2, classes=3, batch=1)
+  layers = _models.grad_bytes(model.params["layers"])
+  outside = _models.grad_bytes(model.params) - layers
+  off = {"peak_bytes": 10_000, "argument_bytes": 100, "output_bytes": 100, "alias_bytes": 100}
+  floor = _suite.floor_bytes(model, model.params, off)
+  assert floor == 10_000 - _models.grad_bytes(model.params) + outside + layers // 4
