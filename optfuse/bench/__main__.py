@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   size.add_argument("--quick", action="store_const", dest="suite", const="quick",
                     help="small models, about a minute on two CPU cores")
   size.add_argument("--memory", action="store_const", dest="suite", const="memory",
-                    help="only the compile-only memory of the 1.3B and 6.7B scanned decoders")
+                    help="only the compile-only memory of the 1.3B and 6.6B scanned decoders")
   size.add_argument("--smoke", action="store_const", dest="suite", const="smoke",
                     help="the smallest models, a few seconds (for tests)")
   parser.add_argument("--out", metavar="DIR",

@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import matplotlib.patches
 from matplotlib.figure import Figure
 
 from optfuse._memory import format_bytes
@@ -31,17 +32,36 @@ def _label(row: dict[str, Any]) -> str:
   return f"{row['model']}/{row['optimizer']}"
 
 
-def _table(header: Sequence[str], align: str, lines: Sequence[Sequence[str]]) -> list[str]:
-  out = ["| " + " | ".join(header) + " |",
-         "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
-  out += ["| " + " | ".join(cells) + " |" for cells in lines]
-  return out
+# (header, right-aligned, cell) of the two tables.
+_TIMING_COLUMNS = (
+    ("model", False, lambda r: r["model"]),
+    ("optimizer", False, lambda r: r["optimizer"]),
+    ("mode", False, lambda r: r["mode"]),
+    ("step", True, lambda r: f"{r['step_ms']:.2f} ms"),
+    ("time vs optax", True, lambda r: _ratio(r["time_ratio"])),
+    ("compile", True, lambda r: f"{r['compile_s']:.2f} s"),
+    ("compile vs optax", True, lambda r: _ratio(r["compile_ratio"])),
+    ("peak", True, lambda r: format_bytes(r["peak_bytes"])),
+    ("peak vs optax", True, lambda r: _ratio(r["peak_ratio"])),
+    ("floor", True, lambda r: format_bytes(r["floor_bytes"])),
+    ("peak vs floor", True, lambda r: _ratio(r["peak_vs_floor"])),
+)
+_MEMORY_COLUMNS = (
+    ("model", False, lambda r: r["model"]),
+    ("mode", False, lambda r: r["mode"]),
+    ("peak", True, lambda r: format_bytes(r["peak_bytes"])),
+    ("peak vs optax", True, lambda r: _ratio(r["peak_ratio"])),
+    ("temp", True, lambda r: format_bytes(r["temp_bytes"])),
+    ("gradient", True, lambda r: format_bytes(r["grad_bytes"])),
+    ("floor", True, lambda r: format_bytes(r["floor_bytes"])),
+    ("peak vs floor", True, lambda r: _ratio(r["peak_vs_floor"])),
+)
 
 
 def _unavailable_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
   """One line per (mode, reason): which cells it covers ("every cell" when all)."""
   cells = {_label(r) for r in rows}
-  groups: dict[tuple[str, str], list[str]] = {}
+  groups: dict[tuple[str, str, str], list[str]] = {}
   for row in rows:
     for kind in ("unavailable", "failed"):
       if row.get(kind):
@@ -54,6 +74,19 @@ def _unavailable_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
   return notes
 
 
+def _section(title: str, intro: str, columns, rows: Sequence[dict[str, Any]]) -> list[str]:
+  """A titled table of the measured rows, the notes on the others, the models."""
+  measured = [r for r in rows if r.get("peak_ratio") is not None]
+  out = [title, "", intro, "",
+         "| " + " | ".join(header for header, _, _ in columns) + " |",
+         "|" + "|".join("---:" if right else "---" for _, right, _ in columns) + "|"]
+  out += ["| " + " | ".join(cell(r) for _, _, cell in columns) + " |" for r in measured]
+  notes = _unavailable_notes(rows)
+  out += ["", *notes] if notes else []
+  models = {r["model"]: r["description"] for r in rows}
+  return [*out, "", "Models: " + "; ".join(f"`{m}` {d}" for m, d in models.items()) + ".", ""]
+
+
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
   """The results as Markdown: the timing table, the compile-only memory table, the notes."""
   env = rows[0]
@@ -61,43 +94,30 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
          f"{env['optax_version']}, backend {env['backend']} ({env['device_kind']}, "
          f"{env['device_count']} device(s)), {env['cpu_count']} CPUs, load average "
          f"{env['load_average_start']} at the start, {env['load_average_end']} at the end", ""]
+  loads = [x for x in (env["load_average_start"], env["load_average_end"]) if x is not None]
+  if env["backend"] == "cpu" and loads and max(loads) > env["cpu_count"]:
+    out += [f"**Busy machine**: the load average ({max(loads)}) exceeded the {env['cpu_count']} "
+            "CPUs, so other processes shared them: step and compile times are noisy (compiled "
+            "memory is exact).", ""]
   timing = [r for r in rows if r["section"] == "timing"]
   if timing:
-    out += ["### Step time, compile time and compiled peak memory (ratios to optax = mode `off`)",
-            "", "Step time: median of interleaved runs after warm-up.", ""]
-    lines = []
-    for r in timing:
-      if "step_ms" not in r:
-        continue
-      lines.append([r["model"], r["optimizer"], r["mode"], f"{r['step_ms']:.2f} ms",
-                    _ratio(r["time_ratio"]), f"{r['compile_s']:.2f} s", _ratio(r["compile_ratio"]),
-                    format_bytes(r["peak_bytes"]), _ratio(r["peak_ratio"]),
-                    format_bytes(r["floor_bytes"]), _ratio(r["peak_vs_floor"])])
-    out += _table(["model", "optimizer", "mode", "step", "time vs optax", "compile",
-                   "compile vs optax", "peak", "peak vs optax", "floor", "peak vs floor"],
-                  "lllrrrrrrrr", lines)
-    out += ["", *_unavailable_notes(timing)]
-    models = {r["model"]: r["description"] for r in timing}
-    out += ["", "Models: " + "; ".join(f"`{m}` {d}" for m, d in models.items()) + "."]
+    out += _section(
+        "### Step time, compile time and compiled peak memory, fused vs optax (mode `off`)",
+        "Step: median time per step over interleaved runs after warm-up. Time vs optax: median "
+        "over the rounds of the ratio of back-to-back runs. Compile: trace, lower and compile.",
+        _TIMING_COLUMNS, timing)
   memory = [r for r in rows if r["section"] == "memory"]
   if memory:
-    out += ["", "### Compile-only memory (adamw, float32, `jax.ShapeDtypeStruct` inputs: nothing "
-            "allocated)", ""]
-    lines = []
-    for r in memory:
-      if "peak_ratio" not in r:
-        continue
-      lines.append([r["model"], r["mode"], format_bytes(r["peak_bytes"]),
-                    _ratio(r["peak_ratio"]), format_bytes(r["temp_bytes"]),
-                    format_bytes(r["grad_bytes"]), format_bytes(r["floor_bytes"]),
-                    _ratio(r["peak_vs_floor"])])
-    out += _table(["model", "mode", "peak", "peak vs optax", "temp", "gradient", "floor",
-                   "peak vs floor"], "llrrrrrr", lines)
-    out += ["", *_unavailable_notes(memory)]
-    models = {r["model"]: r["description"] for r in memory}
-    out += ["", "Models: " + "; ".join(f"`{m}` {d}" for m, d in models.items()) + "."]
-  out += ["", PEAK_NOTE, "", FLOOR_NOTE]
-  return "\n".join(out) + "\n"
+    out += _section(
+        "### Compile-only memory (large models, nothing allocated)",
+        "adamw, float32, `optfuse.memory_report` on `jax.ShapeDtypeStruct` inputs: nothing is "
+        "allocated, the numbers are XLA's buffer assignment for this backend.",
+        _MEMORY_COLUMNS, memory)
+  return "\n".join([*out, PEAK_NOTE, "", FLOOR_NOTE]) + "\n"
+
+
+def _plot_label(row: dict[str, Any]) -> str:
+  return _label(row) + (" (compile only)" if row["section"] == "memory" else "")
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
@@ -105,33 +125,29 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
   measured = [r for r in rows if r.get("peak_ratio") is not None and r["mode"] != "off"]
   panels = [("step time / optax", "time_ratio", [r for r in measured if r["time_ratio"]]),
             ("compiled peak memory / optax", "peak_ratio", measured)]
-  height = max(3.0, 0.32 * max(len({_label(r) for r in p[2]}) for p in panels) + 1.5)
+  modes = list(dict.fromkeys(r["mode"] for r in measured))
+  colors = {mode: f"C{k}" for k, mode in enumerate(modes)}
+  cells = max(len({_plot_label(r) for r in panel}) for _, _, panel in panels)
   # A bare Figure (no pyplot): no global backend or figure state is touched.
-  fig = Figure(figsize=(13, height))
-  axes = fig.subplots(1, 2)
-  modes = sorted({r["mode"] for r in measured})
-  for ax, (title, key, panel) in zip(axes, panels, strict=True):
-    labels = list(dict.fromkeys(
-        _label(r) + (" (compile only)" if r["section"] == "memory" else "") for r in panel))
-    width = 0.8 / max(1, len(modes))
+  fig = Figure(figsize=(13, max(3.0, 0.32 * cells + 2.0)), layout="constrained")
+  width = 0.8 / max(1, len(modes))
+  for ax, (title, key, panel) in zip(fig.subplots(1, 2), panels, strict=True):
+    labels = list(dict.fromkeys(_plot_label(r) for r in panel))
     for k, mode in enumerate(modes):
-      ys, xs = [], []
-      for r in panel:
-        if r["mode"] == mode:
-          name = _label(r) + (" (compile only)" if r["section"] == "memory" else "")
-          ys.append(labels.index(name) + (k - (len(modes) - 1) / 2) * width)
-          xs.append(r[key])
-      ax.barh(ys, xs, height=width, label=mode)
+      bars = [(labels.index(_plot_label(r)) + (k - (len(modes) - 1) / 2) * width, r[key])
+              for r in panel if r["mode"] == mode]
+      ax.barh([y for y, _ in bars], [x for _, x in bars], height=width, color=colors[mode],
+              label=mode)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_title(title)
     ax.set_xlabel("ratio (1.0 = optax)")
-    ax.legend(loc="best", fontsize=8)
+  handles = [matplotlib.patches.Patch(color=colors[m], label=m) for m in modes]
+  fig.legend(handles=handles, loc="outside lower center", ncols=max(1, len(modes)))
   env = rows[0]
   fig.suptitle(f"optfuse.bench {env['suite']}: {env['backend']} ({env['device_kind']}), "
                f"jax {env['jax_version']}")
-  fig.tight_layout()
   fig.savefig(path, dpi=120)
 
 

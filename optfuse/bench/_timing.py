@@ -90,7 +90,8 @@ def interleaved(trainers: Mapping[str, Trainer], reference: str, rounds: int, wa
     so its ratios compare runs made under the same conditions.
   """
   for trainer in trainers.values():
-    trainer.run(warmup)
+    if warmup:
+      trainer.run(warmup)
   slowest = max(trainer.run(1) for trainer in trainers.values())
   steps = max(1, math.ceil(min_run_s / max(slowest, 1e-9)))
   names = list(trainers)
