@@ -1,9 +1,10 @@
 """``python -m optfuse.bench``: step time, compile time and compiled memory, fused vs optax.
 
-Run ``python -m optfuse.bench --quick`` (about a minute on two CPU cores), or without ``--quick``
-for the full suite (larger models and the 184M-parameter scanned GPT). ``--out DIR`` writes
-``results.json``, ``results.md`` and ``results.png``. The same command runs on CPU, GPU and TPU:
-JAX picks the backend.
+Run ``python -m optfuse.bench --quick`` (about 90 CPU-seconds, most of it XLA compiling), or
+without ``--quick`` for the full suite (larger models, every optimizer on every model, the
+184M-parameter scanned GPT; meant for a GPU or TPU). ``--out DIR`` writes ``results.json``,
+``results.md`` and ``results.png``. The same command runs on CPU, GPU and TPU: JAX picks the
+backend.
 
 Modules: ``_models`` (the models in plain JAX), ``_timing`` (compiling and interleaved timing),
 ``_suite`` (the suites and the measuring loop, the memory floor), ``_report`` (tables, files,

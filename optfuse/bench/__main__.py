@@ -17,7 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       "steps against the plain optax step, on the default JAX backend.")
   size = parser.add_mutually_exclusive_group()
   size.add_argument("--quick", action="store_const", dest="suite", const="quick",
-                    help="small models, about a minute on two CPU cores")
+                    help="small models, about 90 CPU-seconds (the README's main job)")
   size.add_argument("--memory", action="store_const", dest="suite", const="memory",
                     help="only the compile-only memory of the 1.3B and 6.6B scanned decoders")
   size.add_argument("--smoke", action="store_const", dest="suite", const="smoke",
