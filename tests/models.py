@@ -1,0 +1,132 @@
+"""Small deterministic test models shared by the test suite.
+
+``tied_lm`` is the reference model of the equivalence tests: a two-layer residual MLP language
+model whose embedding table is both the input lookup and the output projection (a tied weight, so
+its gradient is the sum of two uses) and which holds a parameter the loss never reads (``unused``:
+optax still decays and moves it, with a zero gradient).
+
+The runners train for a number of steps and return ``(losses, params, state)``; ``run_optax`` is
+the reference written as plain optax code (``value_and_grad``, ``tx.update``, ``apply_updates``),
+never through optfuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optfuse
+
+VOCAB = 32
+DIM = 16
+HIDDEN = 24
+BATCH = 4
+SEQ = 6
+
+
+def tied_lm_params(seed: int = 0, dtype=jnp.float32) -> dict:
+  """Params of ``tied_lm_loss``: tied embedding, two dense layers, norm scale, unused leaf."""
+  k = jax.random.split(jax.random.PRNGKey(seed), 4)
+  params = {
+      "embed": jax.random.normal(k[0], (VOCAB, DIM)) / jnp.sqrt(DIM),
+      "layers": [
+          {"w": jax.random.normal(k[1], (DIM, HIDDEN)) / jnp.sqrt(DIM),
+           "b": jnp.zeros((HIDDEN,))},
+          {"w": jax.random.normal(k[2], (HIDDEN, DIM)) / jnp.sqrt(HIDDEN),
+           "b": jnp.full((DIM,), 0.1)},
+      ],
+      "norm": {"scale": jnp.ones((DIM,))},
+      "unused": jax.random.normal(k[3], (3, DIM)),
+  }
+  return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def tied_lm_loss(params: dict, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy; reads ``params["embed"]`` twice, ``params["unused"]`` never."""
+  embed = params["embed"]
+  h = embed[tokens]
+  first, second = params["layers"]
+  z = jnp.tanh(h @ first["w"] + first["b"])
+  h = h + z @ second["w"] + second["b"]
+  h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * params["norm"]["scale"]
+  logits = h @ embed.T
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # bf16 params: f32 loss
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def tied_lm_batches(num: int = 5, seed: int = 1) -> list[tuple[jax.Array, jax.Array]]:
+  """``num`` fixed ``(tokens, targets)`` batches; step ``t`` uses batch ``t % num``."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), num)
+  batches = []
+  for key in keys:
+    seq = jax.random.randint(key, (BATCH, SEQ + 1), 0, VOCAB)
+    batches.append((seq[:, :-1], seq[:, 1:]))
+  return batches
+
+
+def copy(tree):
+  """A fresh copy of ``tree``: steps jitted with ``donate_argnums`` consume their inputs."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def run_fused(tx: optax.GradientTransformation, mode: str, params, batches: Sequence[tuple],
+              steps: int, loss_fn: Callable = tied_lm_loss, jit: bool = True,
+              ) -> tuple[jax.Array, Any, Any]:
+  """Trains ``steps`` steps with ``optfuse.fuse(tx, mode)``.
+
+  Args:
+    tx: the optax transformation.
+    mode: the optfuse mode.
+    params: initial params (copied, never donated).
+    batches: positional arguments of ``loss_fn`` after params; step ``t`` uses
+      ``batches[t % len(batches)]``.
+    steps: number of steps.
+    loss_fn: the loss.
+    jit: run the step under ``jax.jit(step, donate_argnums=(0, 1))``, else eagerly.
+
+  Returns:
+    ``(losses, params, state)`` with the losses of every step stacked.
+  """
+  fx = optfuse.fuse(tx, mode=mode)
+  params = copy(params)
+  state = copy(fx.init(params))  # some inits share buffers between state leaves (cocob, sam)
+  step = fx.value_and_update(loss_fn)
+  if jit:
+    step = jax.jit(step, donate_argnums=(0, 1))
+  losses = []
+  for t in range(steps):
+    loss, params, state = step(params, state, *batches[t % len(batches)])
+    losses.append(loss)
+  return jnp.stack(losses), params, state
+
+
+def run_optax(tx: optax.GradientTransformation, params, batches: Sequence[tuple], steps: int,
+              loss_fn: Callable = tied_lm_loss, jit: bool = True, loss_args: bool = False,
+              ) -> tuple[jax.Array, Any, Any]:
+  """The reference: ``steps`` plain optax steps.
+
+  Same arguments as ``run_fused``, and ``loss_args``: pass ``value``, ``grad`` and ``value_fn``
+  to ``tx.update``, as line searches, Polyak step sizes and ``reduce_on_plateau`` require.
+  """
+
+  def step(params, state, *args):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *args)
+    extra = {}
+    if loss_args:
+      extra = dict(value=loss, grad=grads, value_fn=lambda p: loss_fn(p, *args))
+    updates, state = tx.update(grads, state, params, **extra)
+    return loss, optax.apply_updates(params, updates), state
+
+  params = copy(params)
+  state = copy(tx.init(params))
+  if jit:
+    step = jax.jit(step, donate_argnums=(0, 1))
+  losses = []
+  for t in range(steps):
+    loss, params, state = step(params, state, *batches[t % len(batches)])
+    losses.append(loss)
+  return jnp.stack(losses), params, state
