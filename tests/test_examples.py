@@ -1,0 +1,64 @@
+"""Every example runs end to end in a tiny configuration, so none of them can rot.
+
+The examples live in ``examples/`` (not a package); each is loaded from its file and its
+``run`` function called with a few steps of a tiny model, writing into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+# A few float32 steps of the same operations in different XLA fusions: a few ulps.
+TOL = 1e-5
+
+
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(f"examples.{name}", EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses (Flax structs) look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_linen_digits_cnn_trains_optax_and_optfuse_alike(tmp_path):
+  example = _load("linen_digits_cnn")
+  out = example.run(steps=4, width=2, batch_size=8, eval_every=2, out_dir=tmp_path,
+                    progress=False)
+  assert out["plot"].exists()
+  assert list(out["runs"]) == ["optax", "optfuse (backward)"]
+  for run in out["runs"].values():
+    assert run["losses"].shape == (4,) and run["accuracy"].shape == (2,)
+  assert out["max_loss_diff"] < TOL and out["max_param_diff"] < TOL
+  assert out["max_accuracy_diff"] == 0.0
+
+
+def test_nnx_transformer_lm_reports_every_variant(tmp_path):
+  example = _load("nnx_transformer_lm")
+  out = example.run(steps=3, dim=16, heads=2, layers=2, seq_len=16, batch_size=2,
+                    corpus_mb=0.05, out_dir=tmp_path, progress=False)
+  assert out["plot"].exists()
+  assert out["corpus"][0] == 50_000 and out["corpus"][1] > 0
+  assert {"optax", "backward"} <= set(out["runs"])
+  assert set(out["runs"]) | set(out["unavailable"]) == set(example.VARIANTS)
+  ref = out["runs"]["optax"]
+  for run in out["runs"].values():
+    np.testing.assert_allclose(run["losses"], ref["losses"], rtol=TOL)
+    np.testing.assert_allclose(run["val_loss"], ref["val_loss"], rtol=TOL)
+    assert run["step_ms"] > 0 and run["peak_bytes"] >= run["temp_bytes"] > 0
+
+
+def test_port_train_step_is_a_two_line_change_that_trains_alike():
+  example = _load("port_train_step")
+  out = example.run(steps=3, batch_size=8, progress=False)
+  assert set(out) == {"Linen", "NNX"}
+  for port in out.values():
+    added = [line for line in port["diff"] if line.startswith("+")]
+    removed = [line for line in port["diff"] if line.startswith("-")]
+    assert 1 <= len(added) <= 2 and len(removed) <= 3
+    assert port["max_param_diff"] < TOL
