@@ -1,0 +1,205 @@
+"""Forward fusion: step ``t``'s gradient is applied at the start of step ``t + 1``.
+
+A forward-mode step receives the params and a ``ForwardState``: the optax state plus the
+*pending* gradient of the previous step. It first applies the pending update (the global stage of
+the update once, then each leaf's share; see ``_global``), then runs the loss and its gradient on
+the updated params and keeps that gradient as the new pending one. The params every forward pass
+sees are therefore exactly optax's, for every transform: global-norm clipping, ``apply_if_finite``
+and ``normalize_by_update_norm`` included, since the whole gradient is known when the update runs.
+
+Each leaf is updated whole before the loss runs; under ``jax.jit`` XLA is free to schedule (and
+fuse) each leaf's update next to its first consumer. Leaves used inside a ``lax.scan`` (stacked
+layers) are updated whole too, before the loop.
+
+``flush`` applies the pending update without a forward pass (evaluation, checkpoints, the end of
+training); ``to_optax_state`` and ``from_optax_state`` convert to and from a plain optax state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optfuse import _backward, _global
+from optfuse._errors import StateMismatchError
+
+
+class ForwardState(NamedTuple):
+  """The optimizer state of ``optfuse.fuse(tx, mode="forward")``.
+
+  ``(params, ForwardState(opt_state, pending_grads, True))`` stands for the params and optax state
+  that ``tx.update(pending_grads, opt_state, params)`` followed by ``optax.apply_updates`` gives:
+  the next step, or ``fx.flush``, applies that update first.
+
+  Attributes:
+    opt_state: the optax state of ``tx`` for the params held, as ``tx.init(params)`` builds it.
+    pending_grads: a tree like the params: the gradient whose update is not applied yet (zeros,
+      and ignored, when ``has_pending`` is false).
+    has_pending: a scalar bool array: whether ``pending_grads`` is still to be applied.
+  """
+
+  opt_state: Any
+  pending_grads: Any
+  has_pending: jax.Array
+
+
+def _no_pending(params, opt_state) -> ForwardState:
+  return ForwardState(opt_state, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.bool_))
+
+
+def _check_forward_state(tx: optax.GradientTransformation, params, state) -> None:
+  from optfuse._fuse import check_state  # the shared check lives with the API
+
+  if not isinstance(state, ForwardState):
+    raise StateMismatchError(
+        f'mode="forward" needs a ForwardState, got {type(state).__name__}. Build it with '
+        "fx.init(params), or convert an optax state with optfuse.from_optax_state(fx, params, "
+        "opt_state).")
+  check_state(tx, params, state.opt_state)
+  if jax.tree.structure(state.pending_grads) != jax.tree.structure(params) or any(
+      jnp.shape(g) != jnp.shape(p)
+      for g, p in zip(jax.tree.leaves(state.pending_grads), jax.tree.leaves(params))):
+    raise StateMismatchError(
+        "the pending gradients of the ForwardState do not match the params (tree structure or "
+        "shapes); the state was built for other params. Rebuild it with fx.init(params).")
+
+
+def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState) -> tuple[Any, Any]:
+  """Applies the pending update, if any: ``(params, opt_state)`` as optax would have them.
+
+  The global stage runs once on all the pending gradients, then each leaf's share. When
+  ``state.has_pending`` is false both are returned unchanged (selected, so that one traced
+  program serves the first step and the others).
+  """
+  grads = plan.params_def.flatten_up_to(state.pending_grads)
+  param_leaves = plan.params_def.flatten_up_to(params)
+  state_leaves = jax.tree.leaves(state.opt_state)
+  updates, new_state = plan.update(grads, state_leaves, param_leaves)
+  pick = lambda new, old: jnp.where(state.has_pending, new, old)
+  new_params = [pick(optax.apply_updates(p, u), p) if _backward.is_float(p) else p
+                for p, u in zip(param_leaves, updates)]
+  new_state = [pick(new, old) for new, old in zip(new_state, state_leaves)]
+  return (jax.tree.unflatten(plan.params_def, new_params),
+          jax.tree.unflatten(plan.state_def, new_state))
+
+
+def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params,
+                     state: ForwardState, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+  """One forward-fused step: ``(value, params, state)``.
+
+  Args:
+    plan: the global plan of ``tx`` for these params and ``state.opt_state``.
+    loss_fn: ``loss_fn(params, *args, **kwargs)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    params: the params tree.
+    state: the ``ForwardState``.
+    args: positional arguments of ``loss_fn`` after params.
+    kwargs: keyword arguments of ``loss_fn``.
+
+  Returns:
+    ``(value, params, state)``: the loss (or ``(loss, aux)``) at the updated params, the
+    updated params and a ``ForwardState`` whose pending gradient is this step's.
+  """
+  params, opt_state = apply_pending(plan, params, state)
+  leaves, treedef = jax.tree.flatten(params)
+  diff = [i for i, p in enumerate(leaves) if _backward.is_float(p)]
+
+  def loss_of_diff(diff_leaves):
+    full = list(leaves)
+    for i, x in zip(diff, diff_leaves):
+      full[i] = x
+    return _backward.check_loss(loss_fn(jax.tree.unflatten(treedef, full), *args, **kwargs),
+                                has_aux)
+
+  (loss, aux), diff_grads = jax.value_and_grad(loss_of_diff, has_aux=True)(
+      [leaves[i] for i in diff])
+  grads = [jnp.zeros_like(p) for p in leaves]
+  for i, g in zip(diff, diff_grads):
+    grads[i] = g
+  value = (loss, aux) if has_aux else loss
+  return value, params, ForwardState(opt_state, jax.tree.unflatten(treedef, grads),
+                                     jnp.ones((), jnp.bool_))
+
+
+def transformation(tx: optax.GradientTransformation):
+  """``(init, value_and_update, flush)`` of ``optfuse.fuse(tx, mode="forward")``."""
+  from optfuse._fuse import _is_tracing, _signature, check_params
+
+  plans: dict = {}
+
+  def get_plan(params, opt_state) -> _global.GlobalPlan:
+    if _is_tracing((params, opt_state)):
+      return _global.make_global_plan(tx, params, opt_state)
+    key = (_signature(params), _signature(opt_state))
+    if key not in plans:
+      plans[key] = _global.make_global_plan(tx, params, opt_state)
+    return plans[key]
+
+  def init(params) -> ForwardState:
+    check_params(params)
+    return _no_pending(params, tx.init(params))
+
+  def make_step(loss_fn: Callable, has_aux: bool = False):
+    def step(params, state, *args, **kwargs):
+      check_params(params)
+      _check_forward_state(tx, params, state)
+      plan = get_plan(params, state.opt_state)
+      return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs)
+
+    return step
+
+  def flush(params, state):
+    check_params(params)
+    _check_forward_state(tx, params, state)
+    params, opt_state = apply_pending(get_plan(params, state.opt_state), params, state)
+    return params, _no_pending(params, opt_state)
+
+  return init, make_step, flush
+
+
+def to_optax_state(fx, params, state) -> tuple[Any, Any]:
+  """Flushes a fused state and returns ``(params, optax_state)``.
+
+  Args:
+    fx: the ``FusedTransformation`` ``state`` belongs to.
+    params: the params.
+    state: ``fx``'s state.
+
+  Returns:
+    ``(params, opt_state)`` where ``opt_state`` has the structure of ``fx.tx.init(params)``: in
+    forward mode after applying the pending update, otherwise ``state`` itself.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optfuse
+    >>> fx = optfuse.fuse(optax.sgd(0.5), mode="forward")
+    >>> params = {"w": jnp.ones(2)}
+    >>> step = fx.value_and_update(lambda p: jnp.sum(p["w"] ** 2))
+    >>> _, params, state = step(params, fx.init(params))
+    >>> params, opt_state = optfuse.to_optax_state(fx, params, state)
+    >>> params["w"].tolist()
+    [0.0, 0.0]
+  """
+  if fx.mode != "forward":
+    return params, state
+  params, state = fx.flush(params, state)
+  return params, state.opt_state
+
+
+def from_optax_state(fx, params, opt_state):
+  """The state of ``fx`` for ``params`` and a plain optax state of ``fx.tx``.
+
+  Args:
+    fx: a ``FusedTransformation``.
+    params: the params ``opt_state`` belongs to.
+    opt_state: a state of ``fx.tx`` (``tx.init(params)`` or a later one).
+
+  Returns:
+    A ``ForwardState`` with nothing pending in forward mode, otherwise ``opt_state`` itself.
+  """
+  if fx.mode != "forward":
+    return opt_state
+  return _no_pending(params, opt_state)
