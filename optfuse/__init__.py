@@ -1,6 +1,7 @@
 """optfuse: fuse the optax update into the backward (and forward) pass of a JAX training step."""
 
 from optfuse._errors import LossOutputError as LossOutputError
+from optfuse._errors import MicrobatchError as MicrobatchError
 from optfuse._errors import NonSeparableError as NonSeparableError
 from optfuse._errors import OptfuseError as OptfuseError
 from optfuse._errors import ParamsStructureError as ParamsStructureError

@@ -31,6 +31,17 @@ def is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def keep_int_state(new, old):
+  """``new``, except where an integer or bool state leaf of ``old`` changed dtype: ``old`` there.
+
+  Integer and bool params are carried unchanged; optax, run on them with a zero gradient,
+  promotes their slots (Adam's ``mu``...) to float. Keeping those slots as they were keeps the
+  state's signature stable from step to step (``lax.scan`` over steps, jit caches, donation).
+  """
+  keep = lambda n, o: o if not is_float(o) and jnp.result_type(n) != jnp.result_type(o) else n
+  return jax.tree.map(keep, new, old)
+
+
 def check_loss(value, has_aux: bool):
   """Splits ``value`` into ``(loss, aux)`` and checks that the loss is a float scalar."""
   if has_aux:
@@ -63,11 +74,12 @@ class LeafUpdater:
   """
 
   def __init__(self, plan: UpdatePlan, state_leaves: list, param_leaves: list,
-               extra_grads: list | None = None):
+               extra_grads: list | None = None, update_params: bool = True):
     self.plan = plan
     self.state = state_leaves
     self.params = param_leaves
     self.extra = extra_grads
+    self.update_params = update_params
     self.fired: set[int] = set()
 
   def slots(self, i: int) -> tuple:
@@ -92,7 +104,8 @@ class LeafUpdater:
     if extra is not None:
       grad = grad + extra.astype(grad.dtype)
     update, new_slots = self.plan.run_group(i, grad, state, params)
-    return optax.apply_updates(param, update), tuple(new_slots)
+    new_param = optax.apply_updates(param, update) if self.update_params else param
+    return new_param, tuple(new_slots)
 
   def finish(self, new_params: dict, new_slots: dict) -> tuple[list, list]:
     """Assembles the new flat params and state; leaves never fired get a zero gradient."""
@@ -107,6 +120,7 @@ class LeafUpdater:
         grad = jnp.zeros_like(p) if extra is None else extra.astype(jnp.result_type(p))
         new_p, slots = self.apply(i, grad, p, self.slots(i), self.readonly(i))
         params_out[i] = new_p if is_float(p) else p
+        slots = slots if is_float(p) else keep_int_state(slots, self.slots(i))
       for k, s in zip(group.state_outs, slots):
         state_out[k] = s
     for k, s in zip(plan.shared_outs, plan.run_shared(self.state, self.params)):
@@ -134,7 +148,8 @@ def _make_tap(updater: LeafUpdater, i: int) -> Callable:
 
 
 def value_and_update(plan: UpdatePlan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict, extra_grads=None) -> tuple[Any, Any, Any]:
+                     args: tuple, kwargs: dict, extra_grads=None, update_params: bool = True
+                     ) -> tuple[Any, Any, Any]:
   """One backward-fused step: ``(value, new_params, new_state)``.
 
   Args:
@@ -147,6 +162,8 @@ def value_and_update(plan: UpdatePlan, loss_fn: Callable, has_aux: bool, params,
     kwargs: keyword arguments of ``loss_fn``.
     extra_grads: optional tree like params, added to each leaf's gradient before its update
       (the gradient accumulated over earlier microbatches).
+    update_params: ``False`` leaves the params as they are and updates only the state (used to
+      accumulate gradients into a state that holds their sum).
 
   Returns:
     ``(value, params, state)`` where value is the loss, or ``(loss, aux)`` with ``has_aux``.
@@ -154,7 +171,7 @@ def value_and_update(plan: UpdatePlan, loss_fn: Callable, has_aux: bool, params,
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
   extra = None if extra_grads is None else plan.params_def.flatten_up_to(extra_grads)
-  updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), extra)
+  updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), extra, update_params)
   diff = [i for i, p in enumerate(param_leaves) if is_float(p)]
   loop_plan = _loops.analyze(loss_fn, plan, params, list(state_leaves), args, kwargs, diff)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]

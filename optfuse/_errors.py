@@ -31,3 +31,7 @@ class LossOutputError(OptfuseError, TypeError):
 
 class UnknownModeError(OptfuseError, ValueError):
   """``fuse`` was called with a mode other than "backward", "forward" or "off"."""
+
+
+class MicrobatchError(OptfuseError, ValueError):
+  """The step's arguments cannot be split into the requested number of microbatches."""

@@ -410,8 +410,8 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
           g = g + row(extras[j]).astype(g.dtype)
         update, new_slots = row_update(plan, leaf, g, p_rows[j], slot_rows[j], readonly[j],
                                        index, length)
-        new_p = (p_rows[j] + update).astype(p_rows[j].dtype)
-        new_stacks[j] = write(stacks[j], new_p)
+        if updater.update_params:
+          new_stacks[j] = write(stacks[j], (p_rows[j] + update).astype(p_rows[j].dtype))
         new_state_stacks[j] = tuple(write(s, r) for s, r in zip(state_stacks[j], new_slots))
       ct_consts = [a + b for a, b in zip(ct_consts, g_consts)]
       ct_xo = [lax.dynamic_update_index_in_dim(acc, g, index, 0) for acc, g in zip(ct_xo, g_xo)]

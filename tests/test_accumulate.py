@@ -1,0 +1,113 @@
+"""Gradient accumulation: one update from the mean gradient of k microbatches, like optax."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optfuse
+from tests.test_loops import _init, scan_loss
+
+# float32 over 20 steps; the fused step divides the partial sums by k before adding them (optax
+# adds, then divides), a difference of one rounding per step.
+TOL = dict(rtol=2e-5, atol=2e-5)
+K, B, D = 4, 8, 8
+
+
+def _data():
+  k1, k2 = jax.random.split(jax.random.PRNGKey(5))
+  return jax.random.normal(k1, (K * B, D)), jax.random.normal(k2, (K * B, 2))
+
+
+def _manual_optax(tx, loss, params, steps, x, y):
+  """The reference written with optax alone: average k microbatch gradients, then update."""
+  state = tx.init(params)
+  losses = []
+  for _ in range(steps):
+    grads, values = [], []
+    for i in range(K):
+      value, g = jax.value_and_grad(loss)(params, x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
+      grads.append(g)
+      values.append(value)
+    mean = jax.tree.map(lambda *gs: sum(gs) / K, *grads)
+    updates, state = tx.update(mean, state, params)
+    params = optax.apply_updates(params, updates)
+    losses.append(jnp.mean(jnp.stack(values)))
+  return jnp.stack(losses), params, state
+
+
+def _fused(tx, loss, mode, params, steps, x, y):
+  fx = optfuse.fuse(tx, mode=mode)
+  p = jax.tree.map(jnp.copy, params)
+  s = fx.init(p)
+  step = jax.jit(fx.value_and_update(loss, microbatches=K), donate_argnums=(0, 1))
+  losses = []
+  for _ in range(steps):
+    value, p, s = step(p, s, x, y)
+    losses.append(value)
+  return jnp.stack(losses), p, s
+
+
+@pytest.mark.parametrize("mode", ["off", "backward"])
+@pytest.mark.parametrize("remat", [False, True])
+def test_microbatched_step_matches_optax_manual_accumulation(mode, remat):
+  loss = functools.partial(scan_loss, remat=remat)
+  params = _init(jax.random.PRNGKey(0))
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  ref = _manual_optax(tx, loss, params, 20, *_data())
+  chex.assert_trees_all_close(_fused(tx, loss, mode, params, 20, *_data()), ref, **TOL)
+
+
+def test_microbatched_step_matches_optax_multisteps():
+  loss = functools.partial(scan_loss, remat=True)
+  params = _init(jax.random.PRNGKey(0))
+  x, y = _data()
+  multi = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=K)
+  p, s = params, multi.init(params)
+  for _ in range(10):
+    for i in range(K):
+      g = jax.grad(loss)(p, x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
+      updates, s = multi.update(g, s, p)
+      p = optax.apply_updates(p, updates)
+  _, fused_params, fused_state = _fused(optax.adam(1e-2), loss, "backward", params, 10, x, y)
+  chex.assert_trees_all_close(fused_params, p, **TOL)
+  chex.assert_trees_all_close(fused_state, s.inner_opt_state, **TOL)
+
+
+def test_last_microbatch_is_fused_inside_the_loop_and_saves_a_gradient_buffer():
+  layers, width = 32, 128
+  params = {"layers": jax.ShapeDtypeStruct((layers, width, width), jnp.float32)}
+
+  def loss(p, x):
+    h, _ = jax.lax.scan(jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None)), x, p["layers"])
+    return jnp.mean(h ** 2)
+
+  temps = {}
+  for mode, k in (("off", K), ("backward", K), ("single", 1)):
+    fx = optfuse.fuse(optax.adam(1e-3), mode="off" if mode == "off" else "backward")
+    state = jax.eval_shape(fx.init, params)
+    step = jax.jit(fx.value_and_update(loss, microbatches=k), donate_argnums=(0, 1))
+    batch = jax.ShapeDtypeStruct((k * 8, width), jnp.float32)
+    temps[mode] = step.lower(params, state, batch).compile().memory_analysis().temp_size_in_bytes
+  grad_bytes, row_bytes = layers * width * width * 4, width * width * 4
+  # optax holds the running sum and each microbatch's gradient: two gradient buffers.
+  assert temps["off"] >= 2 * grad_bytes, temps
+  # Fused accumulation costs the running sum over a single fused step, plus O(one layer).
+  assert temps["backward"] <= grad_bytes + temps["single"] + 8 * row_bytes, temps
+
+
+def test_microbatches_must_divide_the_batch():
+  fx = optfuse.fuse(optax.sgd(0.1))
+  params = _init(jax.random.PRNGKey(0))
+  step = fx.value_and_update(scan_loss, microbatches=3)
+  with pytest.raises(optfuse.MicrobatchError, match="divisible by microbatches=3"):
+    step(params, fx.init(params), *_data())
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_microbatches_must_be_a_positive_int(bad):
+  with pytest.raises(optfuse.MicrobatchError):
+    optfuse.fuse(optax.sgd(0.1)).value_and_update(scan_loss, microbatches=bad)
