@@ -1,5 +1,12 @@
-"""optfuse: fuse the optax update into the backward (and forward) pass of a JAX training step."""
+"""optfuse: fuse the optax update into the backward (and forward) pass of a JAX training step.
 
+The core (``fuse``, ``describe``, ``memory_report``...) depends on jax and optax only. The Flax
+adapters ``optfuse.linen`` and ``optfuse.nnx`` are imported on first use.
+"""
+
+import importlib
+
+from optfuse._describe import describe as describe
 from optfuse._errors import LossOutputError as LossOutputError
 from optfuse._errors import MicrobatchError as MicrobatchError
 from optfuse._errors import NonSeparableError as NonSeparableError
@@ -7,9 +14,22 @@ from optfuse._errors import OptfuseError as OptfuseError
 from optfuse._errors import ParamsStructureError as ParamsStructureError
 from optfuse._errors import StateMismatchError as StateMismatchError
 from optfuse._errors import UnknownModeError as UnknownModeError
-from optfuse._describe import describe as describe
+from optfuse._forward import ForwardState as ForwardState
+from optfuse._forward import from_optax_state as from_optax_state
+from optfuse._forward import to_optax_state as to_optax_state
 from optfuse._fuse import FusedTransformation as FusedTransformation
 from optfuse._fuse import check_separable as check_separable
 from optfuse._fuse import fuse as fuse
+from optfuse._memory import MemoryReport as MemoryReport
+from optfuse._memory import memory_report as memory_report
+from optfuse._train_step import train_step as train_step
 
 __version__ = "0.1.0"
+
+_ADAPTERS = ("linen", "nnx")
+
+
+def __getattr__(name: str):
+  if name in _ADAPTERS:
+    return importlib.import_module(f"optfuse.{name}")
+  raise AttributeError(f"module 'optfuse' has no attribute {name!r}")

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _backward, _plan
-from optfuse._errors import ParamsStructureError, StateMismatchError, UnknownModeError
+from optfuse import _accumulate, _backward, _forward, _global, _plan
+from optfuse._errors import (
+    MicrobatchError,
+    ParamsStructureError,
+    StateMismatchError,
+    UnknownModeError,
+)
 
 MODES = ("backward", "forward", "off")
+GLOBAL_OPS = (None, "two_pass")
 
 
 class FusedTransformation(NamedTuple):
@@ -19,8 +26,10 @@ class FusedTransformation(NamedTuple):
 
   Attributes:
     init: ``init(params) -> state``. In "backward" and "off" mode exactly ``tx.init(params)``.
-    value_and_update: ``value_and_update(loss_fn, has_aux=False) -> step`` where
-      ``step(params, state, *args, **kwargs) -> (value, params, state)``.
+    value_and_update: ``value_and_update(loss_fn, has_aux=False, *, microbatches=None) -> step``
+      where ``step(params, state, *args, **kwargs) -> (value, params, state)``. With
+      ``microbatches=k`` every array argument is split along its leading axis into ``k``
+      microbatches whose mean gradient makes one update (the mean loss is returned).
     flush: ``flush(params, state) -> (params, state)``; applies a pending forward-mode update,
       identity in the other modes.
     mode: "backward", "forward" or "off".
@@ -56,10 +65,38 @@ def check_params(params) -> None:
           "convert it with jnp.asarray or move it out of the params tree.")
 
 
+def _params_def_in_state(expected, got, params_def):
+  """The structure of the params ``got`` was built for, where it differs from ``params_def``.
+
+  Walks ``expected`` (the structure of ``tx.init(params)``) and ``got`` together; where
+  ``expected`` holds a copy of the params structure (Adam's ``mu``...) and ``got`` holds another
+  tree, the state was built for other params. ``None`` if no such place is found.
+  """
+  if expected == got or params_def.num_leaves == 0:
+    return None
+  if expected == params_def:
+    return got
+  if (expected.node_data() != got.node_data()
+      or len(expected.children()) != len(got.children())):
+    return None
+  for e, g in zip(expected.children(), got.children()):
+    found = _params_def_in_state(e, g, params_def)
+    if found is not None:
+      return found
+  return None
+
+
 def check_state(tx: optax.GradientTransformation, params, state) -> None:
   """Raises ``StateMismatchError`` unless ``state`` looks like ``tx.init(params)``."""
   expected = jax.eval_shape(tx.init, _abstract(params))
   exp_def, got_def = jax.tree.structure(expected), jax.tree.structure(state)
+  built_for = _params_def_in_state(exp_def, got_def, jax.tree.structure(params))
+  if built_for is not None:
+    raise ParamsStructureError(
+        "the params do not have the tree structure the optimizer state was built for.\n"
+        f"  params:           {jax.tree.structure(params)}\n  state built for:  {built_for}\n"
+        "Pass params with the structure they had at init, or rebuild the state with "
+        "fx.init(params).")
   if exp_def != got_def:
     raise StateMismatchError(
         "the optimizer state does not have the structure tx.init(params) gives for these params "
@@ -92,7 +129,14 @@ def _off_step(tx, loss_fn, has_aux):
     grads = [jnp.zeros_like(p) for p in leaves]
     for i, g in zip(diff, diff_grads):
       grads[i] = g
-    updates, new_state = tx.update(jax.tree.unflatten(treedef, grads), state, params)
+    grads = jax.tree.unflatten(treedef, grads)
+    extra = {}
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+      # What line searches, Polyak step sizes and reduce_on_plateau read; others ignore it.
+      value_fn = lambda p: _backward.check_loss(loss_fn(p, *args, **kwargs), has_aux)[0]
+      extra = dict(value=loss, grad=grads, value_fn=value_fn)
+    updates, new_state = tx.update(grads, state, params, **extra)
+    new_state = _backward.keep_int_state(new_state, state)
     new_leaves = jax.tree.leaves(optax.apply_updates(params, updates))
     new_leaves = [n if _backward.is_float(p) else p for p, n in zip(leaves, new_leaves)]
     value = (loss, aux) if has_aux else loss
@@ -101,7 +145,16 @@ def _off_step(tx, loss_fn, has_aux):
   return step
 
 
-def fuse(tx: optax.GradientTransformation, mode: str = "backward") -> FusedTransformation:
+def _check_microbatches(microbatches) -> int:
+  if microbatches is None:
+    return 1
+  if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+    raise MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
+  return microbatches
+
+
+def fuse(tx: optax.GradientTransformation, mode: str = "backward",
+         global_ops: str | None = None) -> FusedTransformation:
   """Fuses the optax transformation ``tx`` into the training step.
 
   Args:
@@ -110,12 +163,18 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward") -> FusedTrans
       complete (separable transforms only); "forward" keeps the gradient and applies the update
       just before each leaf's first use in the next step (every transform); "off" is the plain
       optax step behind the same API.
+    global_ops: ``"two_pass"`` lets backward mode run transforms that reduce over all the
+      gradients (``clip_by_global_norm``, ``apply_if_finite``...) exactly: a first backward pass
+      computes the global statistics, a second one (over the same forward pass) fuses the
+      updates. ``None`` (default): backward mode refuses them with ``NonSeparableError``.
+      Forward and off modes run them exactly either way.
 
   Returns:
     A ``FusedTransformation``.
 
   Raises:
-    UnknownModeError: ``mode`` is not one of "backward", "forward", "off".
+    UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
+      not ``None`` or "two_pass".
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse
@@ -129,32 +188,62 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward") -> FusedTrans
   """
   if mode not in MODES:
     raise UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
+  if global_ops not in GLOBAL_OPS:
+    raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
   if mode == "forward":
-    raise NotImplementedError("forward fusion is not implemented yet")
+    return FusedTransformation(*_forward.transformation(tx), mode, tx)
+  make_plan = _global.make_two_pass_plan if global_ops == "two_pass" else _plan.make_plan
   plans: dict = {}
 
-  def get_plan(params, state) -> _plan.UpdatePlan:
+  def get_plan(params, state) -> _plan.UpdatePlan | _global.GlobalPlan:
     if _is_tracing((params, state)):
-      return _plan.make_plan(tx, params, state)
+      return make_plan(tx, params, state)
     key = (_signature(params), _signature(state))
     if key not in plans:
-      plans[key] = _plan.make_plan(tx, params, state)
+      plans[key] = make_plan(tx, params, state)
     return plans[key]
 
   def init(params):
     check_params(params)
     return tx.init(params)
 
-  def value_and_update(loss_fn: Callable, has_aux: bool = False):
-    off = _off_step(tx, loss_fn, has_aux)
+  def get_accumulator_plan(params, acc) -> _plan.UpdatePlan:
+    return _plan.make_plan(_accumulate.accumulator(), params, acc)
+
+  def fused(loss_fn, has_aux, params, state, args, kwargs, extra_grads=None):
+    plan = get_plan(params, state)
+    if isinstance(plan, _global.GlobalPlan):
+      if extra_grads is not None:
+        raise MicrobatchError(
+            'global_ops="two_pass" does not accumulate microbatches yet; use mode="forward" '
+            "(exact for global transforms) with microbatches, or mode=\"off\".")
+      return _global.two_pass_value_and_update(plan, loss_fn, has_aux, params, state, args,
+                                               kwargs)
+    return _backward.value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
+                                      extra_grads)
+
+  def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
+                       microbatches: int | None = None):
+    k = _check_microbatches(microbatches)
+    if mode == "off":
+      inner = (_off_step(tx, loss_fn, has_aux) if k == 1
+               else _accumulate.optax_step(loss_fn, has_aux, k, tx))
+    elif k == 1:
+      inner = lambda params, state, *args, **kwargs: fused(loss_fn, has_aux, params, state, args,
+                                                           kwargs)
+    else:
+      inner = _accumulate.fused_step(
+          loss_fn, has_aux, k,
+          lambda loss, params, state, args, kwargs, extra: fused(loss, has_aux, params, state,
+                                                                 args, kwargs, extra),
+          lambda loss, params, acc, args, kwargs, _: _backward.value_and_update(
+              get_accumulator_plan(params, acc), loss, has_aux, params, acc, args, kwargs,
+              update_params=False))
 
     def step(params, state, *args, **kwargs):
       check_params(params)
       check_state(tx, params, state)
-      if mode == "off":
-        return off(params, state, *args, **kwargs)
-      plan = get_plan(params, state)
-      return _backward.value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs)
+      return inner(params, state, *args, **kwargs)
 
     return step
 

@@ -99,15 +99,39 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+# optax transforms whose update requires the loss (line searches, Polyak step sizes,
+# reduce_on_plateau) fail with this TypeError when called without ``value``/``grad``/``value_fn``.
+_MISSING_EXTRA_ARGS = re.compile(r"([\w.]+)\.<locals>\.\w+\(\) missing \d+ required keyword-only")
+
+
+def _loss_stand_in(value):
+  """A ``value_fn`` for analysis only: like any loss, it reads every float param."""
+  def value_fn(params, *args, **kwargs):
+    del args, kwargs
+    floats = [x for x in jax.tree.leaves(params) if _is_float(x)]
+    return value + sum(jnp.sum(x).astype(value.dtype) for x in floats)
+
+  return value_fn
+
+
 def _trace_update(tx: optax.GradientTransformation, params, state):
+  """The jaxpr of ``tx.update`` on flat leaves, and the transform that needs the loss, if any.
+
+  A transform that needs ``value``/``grad``/``value_fn`` is traced with stand-ins (one more
+  input, the loss value) only so that ``make_plan`` can say why it refuses it.
+  """
   params_leaves, params_def = jax.tree.flatten(params)
   state_leaves, state_def = jax.tree.flatten(state)
   n, m = len(params_leaves), len(state_leaves)
 
-  def flat_update(flat_g, flat_s, flat_p):
+  def flat_update(flat_g, flat_s, flat_p, *value):
+    extra = {}
+    if value:
+      extra = dict(value=value[0], grad=jax.tree.unflatten(params_def, flat_g),
+                   value_fn=_loss_stand_in(value[0]))
     updates, new_state = tx.update(jax.tree.unflatten(params_def, flat_g),
                                    jax.tree.unflatten(state_def, flat_s),
-                                   jax.tree.unflatten(params_def, flat_p))
+                                   jax.tree.unflatten(params_def, flat_p), **extra)
     new_leaves, new_def = jax.tree.flatten(new_state)
     if new_def != state_def:
       raise NonSeparableError(
@@ -117,11 +141,17 @@ def _trace_update(tx: optax.GradientTransformation, params, state):
     return jax.tree.leaves(updates), new_leaves
 
   abstract = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-  grads_spec = [abstract(p) for p in params_leaves]
-  closed, out_shape = jax.make_jaxpr(flat_update, return_shape=True)(
-      grads_spec, [abstract(s) for s in state_leaves], [abstract(p) for p in params_leaves])
-  del out_shape
-  return closed, params_def, state_def, n, m
+  specs = ([abstract(p) for p in params_leaves], [abstract(s) for s in state_leaves],
+           [abstract(p) for p in params_leaves])
+  try:
+    return jax.make_jaxpr(flat_update)(*specs), params_def, state_def, n, m, None
+  except TypeError as e:
+    needs_loss = _MISSING_EXTRA_ARGS.search(str(e))
+    if needs_loss is None:
+      raise
+  value = jax.ShapeDtypeStruct((), jnp.float32)
+  closed = jax.make_jaxpr(flat_update)(*specs, value)
+  return closed, params_def, state_def, n, m, needs_loss.group(1)
 
 
 _TRANSFORM_FRAME = re.compile(r"([\w.]+)\.<locals>\.(update_fn|update)$")
@@ -159,10 +189,11 @@ def make_plan(tx: optax.GradientTransformation, params, state) -> UpdatePlan:
   Raises:
     NonSeparableError: the update of some leaf depends on the gradients of other leaves.
   """
-  closed, params_def, state_def, n, m = _trace_update(tx, params, state)
+  closed, params_def, state_def, n, m, needs_loss = _trace_update(tx, params, state)
   # Constants become leading inputs, so that pruning can drop the ones a leaf does not read.
   jaxpr, c = _jaxpr.consts_as_inputs(closed.jaxpr), len(closed.consts)
-  in_deps = [frozenset()] * c + [frozenset([i]) for i in range(n)] + [frozenset()] * (m + n)
+  in_deps = [frozenset()] * c + [frozenset([i]) for i in range(n)] + [frozenset()] * (
+      m + n + (needs_loss is not None))
   out_deps = _jaxpr.output_dependencies(jaxpr, in_deps)
   update_deps, state_deps = out_deps[:n], out_deps[n:]
 
@@ -180,12 +211,18 @@ def make_plan(tx: optax.GradientTransformation, params, state) -> UpdatePlan:
         f"{', ...' if len(out_deps[k]) > 4 else ''}). Backward fusion updates each leaf as soon as "
         'its own gradient is complete, so this transform needs mode="forward" (exact for every '
         'optax transform), the two-pass opt-in global_ops="two_pass", or mode="off".')
+  if needs_loss is not None:
+    raise NonSeparableError(
+        f"optfuse backward fusion cannot fuse {needs_loss}: its update needs the loss (the extra "
+        "arguments value, grad or value_fn of tx.update), which the backward pass does not pass "
+        'to the update of a single leaf. Use mode="off", which passes value, grad and value_fn.')
 
-  state_leaves = jax.tree.leaves(state)
+  state_leaves, params_leaves = jax.tree.leaves(state), jax.tree.leaves(params)
   groups = []
   for i in range(n):
     outs = tuple(k for k in range(m) if state_deps[k] == frozenset([i]))
-    for k in outs:
+    # A non-float param has no tap: its state is updated after the backward pass, any dtype.
+    for k in outs if _is_float(params_leaves[i]) else ():
       if not _is_float(state_leaves[k]):
         raise NonSeparableError(
             f"optimizer state leaf {_paths(state)[k]} has dtype {jnp.result_type(state_leaves[k])} "
