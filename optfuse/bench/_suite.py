@@ -157,10 +157,18 @@ def memory_suite() -> Suite:
   return Suite("memory", (), _large_decoders(), rounds=0, warmup=0, min_run_s=0.0)
 
 
+GPT_184M = DecoderConfig(layers=12, dim=1024, heads=16, ff=4096, vocab=32000, seq=512, batch=1)
+
+
+def gpt_suite() -> Suite:
+  """The yardstick alone: the 184M-parameter scanned GPT (remat, AdamW), every mode."""
+  gpt = _models.decoder(GPT_184M, scanned=True, remat=True, name="gpt_184m")
+  return Suite("gpt", (Cell(gpt, "adamw"),), (), rounds=5, warmup=1, min_run_s=0.0)
+
+
 def full_suite() -> Suite:
   """Larger models, more rounds, and the 184M-parameter scanned GPT with AdamW."""
   medium = DecoderConfig(layers=8, dim=256, heads=4, ff=1024, vocab=1024, seq=128, batch=8)
-  gpt = DecoderConfig(layers=12, dim=1024, heads=16, ff=4096, vocab=32000, seq=512, batch=1)
   models = [
       _models.mlp(depth=8, width=1024, inputs=512, batch=128),
       _models.scan_mlp(depth=16, width=1024, inputs=512, batch=128),
@@ -171,12 +179,12 @@ def full_suite() -> Suite:
       _models.grad_accum(micro=8, depth=8, width=1024, inputs=512, batch=32),
   ]
   cells = _grid(models, SEPARABLE) + [Cell(m, "clip_adamw") for m in models]
-  cells.append(Cell(_models.decoder(gpt, scanned=True, remat=True, name="gpt_184m"), "adamw"))
+  cells.append(gpt_suite().cells[0])
   return Suite("full", tuple(cells), _large_decoders(), rounds=7, warmup=2, min_run_s=0.2)
 
 
 SUITES = {"smoke": smoke_suite, "quick": quick_suite, "memory": memory_suite,
-          "full": full_suite}
+          "gpt": gpt_suite, "full": full_suite}
 
 
 def environment() -> dict[str, Any]:
