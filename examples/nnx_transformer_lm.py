@@ -154,17 +154,30 @@ def train(variant: str, config: dict, batches: np.ndarray, val_tokens: np.ndarra
     return loss_fn(model, tokens)
 
   compiled = jax.jit(train_step, donate_argnums=0).lower(state, batches[0]).compile()
-  losses, times = [], []
+  losses = []
   bar = tqdm(batches, desc=f"{variant:>8}", disable=not progress)
   for tokens in bar:
-    start = time.perf_counter()
     state, loss = compiled(state, tokens)
-    losses.append(float(loss))  # waits for the step
-    times.append(time.perf_counter() - start)
+    losses.append(float(loss))
     bar.set_postfix(loss=f"{losses[-1]:.3f}")
   return {"losses": np.array(losses), "val_loss": float(evaluate(state, val_tokens)),
-          "step_ms": 1e3 * float(np.median(times[len(times) // 5:])),
-          **compiled_memory(compiled)}
+          **compiled_memory(compiled), "step": compiled, "state": state}
+
+
+def time_steps(runs: dict[str, dict], tokens: np.ndarray, rounds: int) -> dict[str, float]:
+  """Median wall-clock milliseconds of one step per variant.
+
+  The variants take turns (one step each per round, after training), so a load change on a
+  shared machine hits all of them alike instead of whichever ran at that moment.
+  """
+  times = {name: [] for name in runs}
+  for _ in range(rounds):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      run["state"], loss = run["step"](run["state"], tokens)
+      loss.block_until_ready()
+      times[name].append(time.perf_counter() - start)
+  return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
 
 
 def plot(results: dict[str, dict], path: pathlib.Path, config: dict) -> None:
@@ -189,8 +202,8 @@ def plot(results: dict[str, dict], path: pathlib.Path, config: dict) -> None:
 
 def run(steps: int = 200, dim: int = 256, heads: int = 4, layers: int = 4, seq_len: int = 64,
         batch_size: int = 8, learning_rate: float = 2e-3, corpus_mb: float = 8.0,
-        seed: int = 0, variants=VARIANTS, out_dir: pathlib.Path = OUT_DIR,
-        progress: bool = True) -> dict[str, Any]:
+        seed: int = 0, timing_rounds: int = 20, variants=VARIANTS,
+        out_dir: pathlib.Path = OUT_DIR, progress: bool = True) -> dict[str, Any]:
   """Trains the LM with each variant and compares them.
 
   Args:
@@ -203,6 +216,7 @@ def run(steps: int = 200, dim: int = 256, heads: int = 4, layers: int = 4, seq_l
     learning_rate: peak AdamW learning rate (10% linear warmup, cosine decay).
     corpus_mb: megabytes of stdlib source to read; the last 5% are held out for validation.
     seed: seed of the initial params and the batch positions.
+    timing_rounds: extra steps per variant, taken in turns after training, to time a step.
     variants: a subset of ``("optax", "backward", "forward")``.
     out_dir: where the PNG goes.
     progress: show tqdm progress bars.
@@ -226,6 +240,9 @@ def run(steps: int = 200, dim: int = 256, heads: int = 4, layers: int = 4, seq_l
       results[variant] = train(variant, config, batches, val_tokens, progress)
     except NotImplementedError as e:
       unavailable[variant] = str(e)
+  for name, step_ms in time_steps(results, batches[0], timing_rounds).items():
+    del results[name]["step"], results[name]["state"]
+    results[name]["step_ms"] = step_ms
   path = pathlib.Path(out_dir) / "nnx_transformer_lm.png"
   plot(results, path, config)
   return {"runs": results, "unavailable": unavailable, "corpus": (len(data), files),
@@ -244,13 +261,15 @@ def main(argv=None) -> None:
   parser.add_argument("--learning-rate", type=float, default=defaults["learning_rate"])
   parser.add_argument("--corpus-mb", type=float, default=defaults["corpus_mb"])
   parser.add_argument("--seed", type=int, default=defaults["seed"])
+  parser.add_argument("--timing-rounds", type=int, default=defaults["timing_rounds"])
   parser.add_argument("--out-dir", type=pathlib.Path, default=defaults["out_dir"])
   args = parser.parse_args(argv)
   out = run(**vars(args))
   size, files = out["corpus"]
   print(f"\ncorpus: {size / 1e6:.1f} MB from {files} stdlib files; {args.steps} steps of "
         f"{args.batch_size} x {args.seq_len} bytes; backend: {jax.default_backend()}; load "
-        f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (step times are wall clock)")
+        f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; step time: median of "
+        f"{args.timing_rounds} steps per variant, taken in turns")
   print(f"{'variant':<10} {'train loss':>10} {'val loss':>9} {'step (ms)':>10} "
         f"{'peak MB':>9} {'temp MB':>9} {'max |loss - optax|':>19}")
   ref = out["runs"].get("optax")

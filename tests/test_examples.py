@@ -41,7 +41,7 @@ def test_linen_digits_cnn_trains_optax_and_optfuse_alike(tmp_path):
 def test_nnx_transformer_lm_reports_every_variant(tmp_path):
   example = _load("nnx_transformer_lm")
   out = example.run(steps=3, dim=16, heads=2, layers=2, seq_len=16, batch_size=2,
-                    corpus_mb=0.05, out_dir=tmp_path, progress=False)
+                    corpus_mb=0.05, timing_rounds=2, out_dir=tmp_path, progress=False)
   assert out["plot"].exists()
   assert out["corpus"][0] == 50_000 and out["corpus"][1] > 0
   assert {"optax", "backward"} <= set(out["runs"])
