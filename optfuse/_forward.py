@@ -72,17 +72,28 @@ def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState) -> tupl
   """Applies the pending update, if any: ``(params, opt_state)`` as optax would have them.
 
   The global stage runs once on all the pending gradients, then each leaf's share. When
-  ``state.has_pending`` is false both are returned unchanged (selected, so that one traced
-  program serves the first step and the others).
+  ``state.has_pending`` is false both are returned unchanged. The choice is one ``lax.cond``
+  rather than a select per leaf: a select keeps the old and the new value of every param and
+  state leaf alive together (measured: 36 MB of temporaries instead of 0.5 MB for a 4M-param MLP
+  with AdamW), while the conditional updates them in place.
   """
-  grads = plan.params_def.flatten_up_to(state.pending_grads)
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state.opt_state)
-  updates, new_state = plan.update(grads, state_leaves, param_leaves)
-  pick = lambda new, old: jnp.where(state.has_pending, new, old)
-  new_params = [pick(optax.apply_updates(p, u), p) if _backward.is_float(p) else p
-                for p, u in zip(param_leaves, updates)]
-  new_state = [pick(new, old) for new, old in zip(new_state, state_leaves)]
+
+  def apply(operands):
+    grads, state_leaves, param_leaves = operands
+    updates, new_state = plan.update(grads, state_leaves, param_leaves)
+    new_params = [optax.apply_updates(p, u) if _backward.is_float(p) else p
+                  for p, u in zip(param_leaves, updates)]
+    # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
+    new_state = [jnp.asarray(new).astype(jnp.result_type(old))
+                 for new, old in zip(new_state, state_leaves)]
+    return new_params, new_state
+
+  keep = lambda operands: (operands[2], operands[1])
+  grads = plan.params_def.flatten_up_to(state.pending_grads)
+  new_params, new_state = jax.lax.cond(state.has_pending, apply, keep,
+                                       (grads, state_leaves, param_leaves))
   return (jax.tree.unflatten(plan.params_def, new_params),
           jax.tree.unflatten(plan.state_def, new_state))
 

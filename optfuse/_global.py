@@ -512,6 +512,23 @@ def _uncarry(x, aval: jax.ShapeDtypeStruct):
   return x != 0 if aval.dtype == jnp.bool_ else x
 
 
+def _after(seed, cuts):
+  """``seed``, computed from ``cuts`` so that the second backward pass cannot start before them.
+
+  Without it XLA runs the two backward passes side by side (the second one's cotangents depend
+  on nothing the first computes) and keeps each weight gradient of the second pass alive until
+  the global statistics are known: optax's memory, not backward fusion's. An optimization barrier
+  alone does not order them: XLA sees through it to the constant seed. ``(bits | 1) != 0`` is
+  always true, whatever the cut's value (NaN included), so the seed is exactly itself.
+  """
+  cuts = [c for c in cuts if jnp.size(c)]
+  if not cuts:
+    return seed
+  first = jnp.ravel(cuts[0])[0].astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(first, jnp.int32)
+  return jnp.where((bits | 1) != 0, seed, jnp.zeros_like(seed))
+
+
 def two_pass_value_and_update(plan: GlobalPlan, loss_fn: Callable, has_aux: bool, params, state,
                               args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
   """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
@@ -604,6 +621,7 @@ def two_pass_value_and_update(plan: GlobalPlan, loss_fn: Callable, has_aux: bool
       else:  # never used by the loss, or not float: optax sees a zero gradient
         stats.append(plan.run_stats(i, jnp.zeros_like(p), state_leaves, param_leaves))
     cuts, global_state = plan.run_combine(stats, state_leaves, param_leaves)
+    seed = _after(seed, cuts)
   now.update({"pass": "update", "cuts": cuts})
   new_params, new_slots, _ = pullback(seed)
 
