@@ -274,7 +274,11 @@ def _flatten(closed: jcore.ClosedJaxpr, in_deps: Sequence[Deps]) -> tuple[jcore.
 
 class _Graph:
   """The flat update jaxpr with, for every variable, its gradient dependencies (``deps``), the
-  leaves whose update it reaches (``reach``) and its producing equation."""
+  leaves whose update it reaches (``reach``) and its producing equation.
+
+  ``local_deps`` are the dependencies that do not flow through a global value (one that depends
+  on several gradients and reaches several updates): the only leaves that can own a state output.
+  """
 
   def __init__(self, jaxpr: jcore.Jaxpr, deps: dict, num_params: int):
     self.jaxpr = jaxpr
@@ -290,9 +294,26 @@ class _Graph:
         if _is_var(v) and r:
           reach[v] = reach.get(v, Deps()) | r
     self.reach = reach
+    is_global = lambda v: len(self.dep(v)) > 1 and len(reach.get(v, Deps())) > 1
+    local = {v: d for v, d in deps.items() if v in set(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+      d = Deps().union(*(local.get(v, Deps()) for v in eqn.invars
+                         if _is_var(v) and not is_global(v)))
+      local.update((v, d) for v in eqn.outvars)
+    self.local_deps = local
 
   def dep(self, v) -> Deps:
     return self.deps.get(v, Deps()) if _is_var(v) else Deps()
+
+  def ancestors(self, outvars: Sequence) -> set[int]:
+    """The equations ``outvars`` are computed from."""
+    needed, stack = set(), [v for v in outvars if _is_var(v)]
+    while stack:
+      k = self.producer.get(stack.pop())
+      if k is not None and k not in needed:
+        needed.add(k)
+        stack.extend(u for u in self.jaxpr.eqns[k].invars if _is_var(u))
+    return needed
 
   def walk(self, i: int, starts) -> tuple[set[int], list, bool]:
     """What leaf ``i`` computes to produce ``starts``.
@@ -380,7 +401,8 @@ def _stats_plan(graph: _Graph, c: int, n: int, global_outvars: Sequence,
   stat_jaxprs, stat_reads = [], []
   for leaf_stats in stats:
     jaxpr, reads = _jaxpr.prune(
-        _make_jaxpr([], graph.jaxpr.invars, leaf_stats, eqns),
+        _make_jaxpr([], graph.jaxpr.invars, leaf_stats,
+                    [eqns[k] for k in sorted(graph.ancestors(leaf_stats))]),
         [True] * len(leaf_stats))
     stat_jaxprs.append(jaxpr)
     stat_reads.append(tuple(reads))
@@ -446,7 +468,8 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
     if not graph.dep(v):
       shared_outs.append(k)
       continue
-    owners = [i for i in sorted(graph.dep(v)) if graph.walk(i, [v])[2]]
+    candidates = sorted(graph.local_deps.get(v, Deps()) & graph.dep(v))
+    owners = [i for i in candidates if graph.walk(i, [v])[2]]
     if len(owners) == 1:
       state_outs_of[owners[0]].append(k)
     else:
