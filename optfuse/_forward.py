@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _backward, _global
+from optfuse import _accumulate, _backward, _global
 from optfuse._errors import StateMismatchError
 
 
@@ -98,8 +98,21 @@ def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState) -> tupl
           jax.tree.unflatten(plan.state_def, new_state))
 
 
+def _accumulated_grads(loss_fn: Callable, has_aux: bool, params, args: tuple, kwargs: dict,
+                       microbatches: int):
+  """``(value, grads)`` over ``microbatches`` slices of the batch, as ``mode="off"`` gives them:
+  the mean gradient, the mean loss and the stacked aux."""
+  mb_args, mb_kwargs = _accumulate.split(args, kwargs, microbatches)
+  values, acc = _accumulate._sum_gradients(loss_fn, has_aux, params, mb_args, mb_kwargs,
+                                           microbatches)
+  grads = jax.tree.map(lambda g: g / microbatches, acc)
+  value = (values[0].mean(), values[1]) if has_aux else values.mean()
+  return value, grads
+
+
 def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params,
-                     state: ForwardState, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+                     state: ForwardState, args: tuple, kwargs: dict,
+                     microbatches: int = 1) -> tuple[Any, Any, Any]:
   """One forward-fused step: ``(value, params, state)``.
 
   Args:
@@ -110,12 +123,17 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
     state: the ``ForwardState``.
     args: positional arguments of ``loss_fn`` after params.
     kwargs: keyword arguments of ``loss_fn``.
+    microbatches: split the batch (the leading axis of every array argument) into this many
+      slices and keep their mean gradient, as ``mode="off"`` does.
 
   Returns:
     ``(value, params, state)``: the loss (or ``(loss, aux)``) at the updated params, the
     updated params and a ``ForwardState`` whose pending gradient is this step's.
   """
   params, opt_state = apply_pending(plan, params, state)
+  if microbatches > 1:
+    value, grads = _accumulated_grads(loss_fn, has_aux, params, args, kwargs, microbatches)
+    return value, params, ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
   leaves, treedef = jax.tree.flatten(params)
   diff = [i for i, p in enumerate(leaves) if _backward.is_float(p)]
 
@@ -138,7 +156,7 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
 
 def transformation(tx: optax.GradientTransformation):
   """``(init, value_and_update, flush)`` of ``optfuse.fuse(tx, mode="forward")``."""
-  from optfuse._fuse import _is_tracing, _signature, check_params
+  from optfuse._fuse import _check_microbatches, _is_tracing, _signature, check_params
 
   plans: dict = {}
 
@@ -154,12 +172,14 @@ def transformation(tx: optax.GradientTransformation):
     check_params(params)
     return _no_pending(params, tx.init(params))
 
-  def make_step(loss_fn: Callable, has_aux: bool = False):
+  def make_step(loss_fn: Callable, has_aux: bool = False, *, microbatches: int | None = None):
+    k = _check_microbatches(microbatches)
+
     def step(params, state, *args, **kwargs):
       check_params(params)
       _check_forward_state(tx, params, state)
       plan = get_plan(params, state.opt_state)
-      return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs)
+      return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, k)
 
     return step
 

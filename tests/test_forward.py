@@ -93,6 +93,23 @@ def test_forward_apply_if_finite_skips_nan_steps_exactly_as_optax():
   chex.assert_trees_all_close(got, expected, **TOL)  # NaN losses compare equal to NaN
 
 
+def test_forward_fusion_with_microbatches_matches_optax_accumulation_over_50_steps():
+  tx = OPTIMIZERS["clip_by_global_norm+adamw"]()
+  params, batches = models.tied_lm_params(), models.tied_lm_batches()
+  results = []
+  for mode in ("off", "forward"):
+    fx = optfuse.fuse(tx, mode=mode)
+    p, state = models.copy(params), fx.init(params)
+    step = jax.jit(fx.value_and_update(models.tied_lm_loss, microbatches=2),
+                   donate_argnums=(0, 1))
+    losses = []
+    for t in range(STEPS):
+      loss, p, state = step(p, state, *batches[t % len(batches)])
+      losses.append(loss)
+    results.append((jnp.stack(losses), *to_optax_state(fx, p, state)))
+  chex.assert_trees_all_close(results[1], results[0], **TOL)
+
+
 def stacked_params(layers=4, dim=models.DIM):
   k = jax.random.split(jax.random.PRNGKey(3), 3)
   return {
