@@ -91,9 +91,11 @@ def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState) -> tupl
     return new_params, new_state
 
   keep = lambda operands: (operands[2], operands[1])
-  grads = plan.params_def.flatten_up_to(state.pending_grads)
-  new_params, new_state = jax.lax.cond(state.has_pending, apply, keep,
-                                       (grads, state_leaves, param_leaves))
+  operands = (plan.params_def.flatten_up_to(state.pending_grads), state_leaves, param_leaves)
+  if isinstance(state.has_pending, jax.core.Tracer):
+    new_params, new_state = jax.lax.cond(state.has_pending, apply, keep, operands)
+  else:  # eagerly, an eager cond would compile its freshly traced branches at every step
+    new_params, new_state = (apply if state.has_pending else keep)(operands)
   return (jax.tree.unflatten(plan.params_def, new_params),
           jax.tree.unflatten(plan.state_def, new_state))
 

@@ -8,11 +8,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 import optfuse
-from optfuse._forward import from_optax_state, to_optax_state
 from tests import models
 
 # float32: the fused steps run optax's arithmetic leaf by leaf, in the same order, in other XLA
-# programs; measured differences after 50 steps stay below 1e-6 (see test_forward.py).
+# programs. Measured after the 52 steps of the switching test on CPU: at most 4.8e-7 absolute;
+# 1e-5 leaves a 20x margin.
 TOL = dict(rtol=1e-5, atol=1e-5)
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 10, 60)
 
@@ -73,7 +73,7 @@ def test_orbax_resume_mid_run_continues_the_same_trajectory(name, tmp_path):
 
   # The same compiled step on the same values: bit for bit the same run.
   chex.assert_trees_all_equal((first + second, params_12, state_12), straight)
-  _, opt_state = to_optax_state(fx, params_12, state_12)
+  _, opt_state = optfuse.to_optax_state(fx, params_12, state_12)
   assert int(injected_state(opt_state).count) == 12
 
 
@@ -89,10 +89,10 @@ def test_switching_off_backward_forward_off_follows_optax(tx, backward):
   params = models.copy(params)
   opt_state, losses = tx().init(params), []
   for k, fx in enumerate(fxs):
-    state = from_optax_state(fx, params, opt_state)
+    state = optfuse.from_optax_state(fx, params, opt_state)
     segment, params, state = run(jitted_step(fx), params, state, batches, 13 * k, 13)
     losses += segment
-    params, opt_state = to_optax_state(fx, params, state)  # flushes in forward mode
+    params, opt_state = optfuse.to_optax_state(fx, params, state)  # flushes in forward mode
   chex.assert_trees_all_close((jnp.stack(losses), params, opt_state),
                               (expected_losses, expected_params, expected_state), **TOL)
   injected = injected_state(opt_state)

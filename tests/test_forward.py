@@ -8,7 +8,6 @@ import optax
 import pytest
 
 import optfuse
-from optfuse._forward import from_optax_state, to_optax_state
 from optfuse._global import make_global_plan
 from tests import models
 
@@ -48,7 +47,7 @@ def train(fx, params, batches, steps, loss_fn=models.tied_lm_loss, jit=True):
   for t in range(steps):
     loss, params, state = step(params, state, *batches[t % len(batches)])
     losses.append(loss)
-  to_optax = lambda params, state: to_optax_state(fx, params, state)
+  to_optax = lambda params, state: optfuse.to_optax_state(fx, params, state)
   params, opt_state = (jax.jit(to_optax) if jit else to_optax)(params, state)
   return jnp.stack(losses), params, opt_state
 
@@ -106,7 +105,7 @@ def test_forward_fusion_with_microbatches_matches_optax_accumulation_over_50_ste
     for t in range(STEPS):
       loss, p, state = step(p, state, *batches[t % len(batches)])
       losses.append(loss)
-    results.append((jnp.stack(losses), *to_optax_state(fx, p, state)))
+    results.append((jnp.stack(losses), *optfuse.to_optax_state(fx, p, state)))
   chex.assert_trees_all_close(results[1], results[0], **TOL)
 
 
@@ -140,7 +139,7 @@ def test_forward_state_holds_optax_state_and_the_pending_gradient():
   fx = optfuse.fuse(tx, mode="forward")
   params = models.tied_lm_params()
   state = fx.init(params)
-  assert isinstance(state, optfuse._forward.ForwardState)
+  assert isinstance(state, optfuse.ForwardState)
   chex.assert_trees_all_equal(state.opt_state, tx.init(params))
   assert not state.has_pending
   batch = models.tied_lm_batches()[0]
@@ -164,7 +163,7 @@ def test_flush_applies_the_pending_update_once():
   grads = state.pending_grads
   updates, opt_state = tx.update(grads, tx.init(params), params)
   chex.assert_trees_all_close(flushed, (optax.apply_updates(params, updates),
-                                        optfuse._forward.ForwardState(
+                                        optfuse.ForwardState(
                                             opt_state, jax.tree.map(jnp.zeros_like, grads),
                                             jnp.bool_(False))), rtol=1e-6, atol=1e-7)
 
@@ -177,10 +176,10 @@ def test_optax_state_round_trip_continues_the_same_trajectory():
   state = fx.init(params)
   for batch in batches:
     _, params, state = step(params, state, *batch)
-  params, opt_state = to_optax_state(fx, params, state)
+  params, opt_state = optfuse.to_optax_state(fx, params, state)
   assert jax.tree.structure(opt_state) == jax.tree.structure(tx.init(params))
-  state = from_optax_state(fx, params, opt_state)
-  chex.assert_trees_all_equal(to_optax_state(fx, params, state), (params, opt_state))
+  state = optfuse.from_optax_state(fx, params, opt_state)
+  chex.assert_trees_all_equal(optfuse.to_optax_state(fx, params, state), (params, opt_state))
 
 
 def test_forward_step_rejects_a_plain_optax_state():
