@@ -79,6 +79,15 @@ def test_step_rejects_the_state_of_another_optimizer(mode):
     step(params, other, _batch())
 
 
+@pytest.mark.parametrize(("mode", "other"), [("backward", "forward"), ("forward", "backward"),
+                                             ("forward", "off")])
+def test_step_rejects_the_state_of_another_mode(mode, other):
+  params = _params()
+  step = optfuse.fuse(optax.adam(1e-2), mode).value_and_update(_loss)
+  with pytest.raises(optfuse.StateMismatchError):
+    step(params, optfuse.fuse(optax.adam(1e-2), other).init(params), _batch())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_step_rejects_a_state_built_for_params_of_other_shapes(mode):
   fx = optfuse.fuse(optax.adam(1e-2), mode)
