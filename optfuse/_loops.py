@@ -113,6 +113,17 @@ def _use_counts(jaxpr: jcore.Jaxpr) -> dict:
   return counts
 
 
+def min_loop_length(plan: UpdatePlan, leaf: int) -> int:
+  """The shortest loop in which updating ``leaf`` row by row saves memory.
+
+  Fusion removes the stacked gradient (``length`` rows) but keeps rows in flight in each
+  iteration: the row's gradient, and the param and state rows read out of their buffers. Below
+  ``2 + slots`` iterations that costs more than it saves, and the leaf is updated after the loop
+  as optax does (measured: a 3-layer scan with AdamW used one row more temp memory fused).
+  """
+  return 2 + len(plan.groups[leaf].state_outs)
+
+
 def row_fusible(plan: UpdatePlan, leaf: int, state_leaves, params_leaves, length: int) -> bool:
   """Whether row ``l`` of leaf ``leaf``'s update depends on row ``l`` of its inputs only."""
   group = plan.groups[leaf]
@@ -216,7 +227,8 @@ def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff)
   param_of = {v: i for i, v in enumerate(jaxpr.invars[:len(param_leaves)]) if i in diff}
 
   def fusible(leaf, length):
-    return row_fusible(plan, leaf, state_leaves, param_leaves, length)
+    return (length >= min_loop_length(plan, leaf)
+            and row_fusible(plan, leaf, state_leaves, param_leaves, length))
 
   sites = _find_sites(jaxpr, param_of, fusible)
   if not sites:

@@ -123,16 +123,16 @@ LOSSES = {
 def test_loop_fused_step_matches_optax_adamw_over_30_steps(name):
   params = None
   if name == "nested_scans":
-    params = _init(jax.random.PRNGKey(0), layers=6)
-    params["layers"] = jax.tree.map(lambda x: x.reshape(3, 2, *x.shape[1:]), params["layers"])
+    params = _init(jax.random.PRNGKey(0), layers=8)
+    params["layers"] = jax.tree.map(lambda x: x.reshape(4, 2, *x.shape[1:]), params["layers"])
   _assert_matches_optax(optax.adamw(1e-2, weight_decay=0.1), LOSSES[name], params=params)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_scanned_layers_are_updated_inside_the_loop(name):
-  params = _init(jax.random.PRNGKey(0))
+  params = _init(jax.random.PRNGKey(0), layers=8)
   if name == "nested_scans":
-    params["layers"] = jax.tree.map(lambda x: x[:4].reshape(2, 2, *x.shape[1:]), params["layers"])
+    params["layers"] = jax.tree.map(lambda x: x.reshape(4, 2, *x.shape[1:]), params["layers"])
   where = optfuse.describe(optax.adamw(1e-2), LOSSES[name], params, *_batch())
   assert where == {"['head']": "tap", "['layers']['b']": "loop", "['layers']['w']": "loop",
                    "['shared']": "tap"}
@@ -175,6 +175,16 @@ def test_body_with_counter_rng_key_and_ys_outputs():
 def test_loop_fusion_without_jit():
   _assert_matches_optax(optax.adam(1e-2), functools.partial(scan_loss, remat=True), steps=3,
                         jit=False)
+
+
+def test_short_loops_are_left_to_an_update_after_the_loop():
+  # Three rows of AdamW in flight (gradient, param, two moments) outweigh a 3-layer stack.
+  params = _init(jax.random.PRNGKey(0), layers=3)
+  where = optfuse.describe(optax.adamw(1e-2), scan_loss, params, *_batch())
+  assert where["['layers']['w']"] == "tap"
+  sgd_where = optfuse.describe(optax.sgd(1e-2), scan_loss, params, *_batch())
+  assert sgd_where["['layers']['w']"] == "loop"
+  _assert_matches_optax(optax.adamw(1e-2), scan_loss, params=params, steps=5)
 
 
 def test_scan_whose_output_is_unused_gets_the_zero_gradient_update():
