@@ -11,6 +11,12 @@ Each leaf is updated whole before the loss runs; under ``jax.jit`` XLA is free t
 fuse) each leaf's update next to its first consumer. Leaves used inside a ``lax.scan`` (stacked
 layers) are updated whole too, before the loop.
 
+The new gradient is taken by a backward-fused step (``_backward``) of a transformation whose
+state is the last gradient: each leaf's gradient, and each row of a scanned leaf inside the
+backward loop (``_loops``), is written into the donated buffer of the pending gradient the
+update has just consumed. ``jax.grad`` would build it in a fresh buffer that XLA then copies into
+the donated one: one gradient more at the peak.
+
 ``flush`` applies the pending update without a forward pass (evaluation, checkpoints, the end of
 training); ``to_optax_state`` and ``from_optax_state`` convert to and from a plain optax state.
 """
@@ -24,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _accumulate, _backward, _global
+from optfuse import _accumulate, _backward, _global, _plan
 from optfuse._errors import StateMismatchError
 
 
@@ -136,24 +142,27 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   if microbatches > 1:
     value, grads = _accumulated_grads(loss_fn, has_aux, params, args, kwargs, microbatches)
     return value, params, ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
-  leaves, treedef = jax.tree.flatten(params)
-  diff = [i for i, p in enumerate(leaves) if _backward.is_float(p)]
+  # The new gradient is the state of a backward-fused ``_capture`` step: each leaf's gradient
+  # (each row of a scanned leaf, inside the backward loop) is written into the buffer of the
+  # pending gradient just consumed, which the step donates, instead of a fresh buffer that XLA
+  # then copies into the donated one.
+  pending = jax.tree.unflatten(plan.params_def, plan.params_def.flatten_up_to(state.pending_grads))
+  capture_plan = _plan.make_plan(_capture(), params, pending)
+  value, _, grads = _backward.value_and_update(capture_plan, loss_fn, has_aux, params, pending,
+                                               args, kwargs, update_params=False)
+  return value, params, ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
 
-  def loss_of_diff(diff_leaves):
-    full = list(leaves)
-    for i, x in zip(diff, diff_leaves):
-      full[i] = x
-    return _backward.check_loss(loss_fn(jax.tree.unflatten(treedef, full), *args, **kwargs),
-                                has_aux)
 
-  (loss, aux), diff_grads = jax.value_and_grad(loss_of_diff, has_aux=True)(
-      [leaves[i] for i in diff])
-  grads = [jnp.zeros_like(p) for p in leaves]
-  for i, g in zip(diff, diff_grads):
-    grads[i] = g
-  value = (loss, aux) if has_aux else loss
-  return value, params, ForwardState(opt_state, jax.tree.unflatten(treedef, grads),
-                                     jnp.ones((), jnp.bool_))
+def _capture() -> optax.GradientTransformation:
+  """A transformation whose state is the last gradient (its updates are zero)."""
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, state, params=None):
+    del state, params
+    return jax.tree.map(jnp.zeros_like, grads), grads
+
+  return optax.GradientTransformation(init, update)
 
 
 def transformation(tx: optax.GradientTransformation):
