@@ -25,11 +25,12 @@ def _data():
 def _manual_optax(tx, loss, params, steps, x, y):
   """The reference written with optax alone: average k microbatch gradients, then update."""
   state = tx.init(params)
+  value_and_grad = jax.jit(jax.value_and_grad(loss))
   losses = []
   for _ in range(steps):
     grads, values = [], []
     for i in range(K):
-      value, g = jax.value_and_grad(loss)(params, x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
+      value, g = value_and_grad(params, x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
       grads.append(g)
       values.append(value)
     mean = jax.tree.map(lambda *gs: sum(gs) / K, *grads)
@@ -67,11 +68,15 @@ def test_microbatched_step_matches_optax_multisteps():
   x, y = _data()
   multi = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=K)
   p, s = params, multi.init(params)
+
+  @jax.jit
+  def mini_step(p, s, x, y):
+    updates, s = multi.update(jax.grad(loss)(p, x, y), s, p)
+    return optax.apply_updates(p, updates), s
+
   for _ in range(10):
     for i in range(K):
-      g = jax.grad(loss)(p, x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
-      updates, s = multi.update(g, s, p)
-      p = optax.apply_updates(p, updates)
+      p, s = mini_step(p, s, x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
   _, fused_params, fused_state = _fused(optax.adam(1e-2), loss, "backward", params, 10, x, y)
   chex.assert_trees_all_close(fused_params, p, **TOL)
   chex.assert_trees_all_close(fused_state, s.inner_opt_state, **TOL)
