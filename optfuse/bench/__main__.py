@@ -20,6 +20,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="small models, about 90 CPU-seconds (the README's main job)")
   size.add_argument("--memory", action="store_const", dest="suite", const="memory",
                     help="only the compile-only memory of the 1.3B and 6.6B scanned decoders")
+  size.add_argument("--loops", action="store_const", dest="suite", const="loops",
+                    help="the 8-layer d=256 scanned decoder (remat and not) with AdamW, timed")
   size.add_argument("--gpt", action="store_const", dest="suite", const="gpt",
                     help="only the 184M-parameter scanned GPT yardstick (remat, AdamW), timed")
   size.add_argument("--smoke", action="store_const", dest="suite", const="smoke",

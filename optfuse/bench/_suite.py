@@ -166,9 +166,19 @@ def gpt_suite() -> Suite:
   return Suite("gpt", (Cell(gpt, "adamw"),), (), rounds=5, warmup=1, min_run_s=0.0)
 
 
+MEDIUM = DecoderConfig(layers=8, dim=256, heads=4, ff=1024, vocab=1024, seq=128, batch=8)
+
+
+def loops_suite() -> Suite:
+  """The loop-fusion issue's timing target: an 8-layer, d=256 scanned decoder with AdamW."""
+  models = [_models.decoder(MEDIUM, scanned=True, remat=True),
+            _models.decoder(MEDIUM, scanned=True, remat=False)]
+  return Suite("loops", tuple(_grid(models, ["adamw"])), (), rounds=15, warmup=3, min_run_s=0.05)
+
+
 def full_suite() -> Suite:
   """Larger models, more rounds, and the 184M-parameter scanned GPT with AdamW."""
-  medium = DecoderConfig(layers=8, dim=256, heads=4, ff=1024, vocab=1024, seq=128, batch=8)
+  medium = MEDIUM
   models = [
       _models.mlp(depth=8, width=1024, inputs=512, batch=128),
       _models.scan_mlp(depth=16, width=1024, inputs=512, batch=128),
@@ -184,7 +194,7 @@ def full_suite() -> Suite:
 
 
 SUITES = {"smoke": smoke_suite, "quick": quick_suite, "memory": memory_suite,
-          "gpt": gpt_suite, "full": full_suite}
+          "gpt": gpt_suite, "loops": loops_suite, "full": full_suite}
 
 
 def environment() -> dict[str, Any]:
