@@ -7,9 +7,13 @@ the updated params and keeps that gradient as the new pending one. The params ev
 sees are therefore exactly optax's, for every transform: global-norm clipping, ``apply_if_finite``
 and ``normalize_by_update_norm`` included, since the whole gradient is known when the update runs.
 
-Each leaf is updated whole before the loss runs; under ``jax.jit`` XLA is free to schedule (and
-fuse) each leaf's update next to its first consumer. Leaves used inside a ``lax.scan`` (stacked
-layers) are updated whole too, before the loop.
+Each leaf is updated before the loss runs; under ``jax.jit`` XLA is free to schedule (and fuse)
+each leaf's update next to its first consumer. Leaves used inside a ``lax.scan`` (stacked layers)
+are updated before the loop too, one row (layer) per iteration of a loop that writes the param
+and state rows in place, when their update never mixes rows (``_rows``): a whole-leaf update
+would hold full-size temporaries that XLA cannot fuse into all their consumers (the clipped
+gradient, read by both of Adam's moments). Updating them inside the scan, next to each layer's
+use, is not done yet.
 
 The new gradient is taken by a backward-fused step (``_backward``) of a transformation whose
 state is the last gradient: each leaf's gradient, and each row of a scanned leaf inside the
@@ -29,8 +33,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
-from optfuse import _accumulate, _backward, _global, _plan
+from optfuse import _accumulate, _backward, _global, _loops, _plan, _rows
 from optfuse._errors import StateMismatchError
 
 
@@ -74,7 +79,8 @@ def _check_forward_state(tx: optax.GradientTransformation, params, state) -> Non
         "shapes); the state was built for other params. Rebuild it with fx.init(params).")
 
 
-def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState) -> tuple[Any, Any]:
+def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState,
+                  stacked: frozenset[int] = frozenset()) -> tuple[Any, Any]:
   """Applies the pending update, if any: ``(params, opt_state)`` as optax would have them.
 
   The global stage runs once on all the pending gradients, then each leaf's share. When
@@ -88,9 +94,7 @@ def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState) -> tupl
 
   def apply(operands):
     grads, state_leaves, param_leaves = operands
-    updates, new_state = plan.update(grads, state_leaves, param_leaves)
-    new_params = [optax.apply_updates(p, u) if _backward.is_float(p) else p
-                  for p, u in zip(param_leaves, updates)]
+    new_params, new_state = _update(plan, grads, state_leaves, param_leaves, stacked)
     # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
     new_state = [jnp.asarray(new).astype(jnp.result_type(old))
                  for new, old in zip(new_state, state_leaves)]
@@ -104,6 +108,118 @@ def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState) -> tupl
     new_params, new_state = (apply if state.has_pending else keep)(operands)
   return (jax.tree.unflatten(plan.params_def, new_params),
           jax.tree.unflatten(plan.state_def, new_state))
+
+
+def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
+            stacked: frozenset[int]) -> tuple[list, list]:
+  """Flat ``(new_params, new_state)``: ``plan.update`` and ``optax.apply_updates``, where each
+  leaf of ``stacked`` whose update never mixes rows is updated row by row in place
+  (``_update_rows``)."""
+  cuts, global_state = plan.run_global(grads, state, params)
+  new_params, new_state = list(params), list(state)
+  for i, group in enumerate(plan.groups):
+    p = params[i]
+    if i in stacked and _backward.is_float(p) and _rowwise(plan, i, grads, state, params, cuts):
+      new_params[i], slots = _update_rows(plan, i, grads, state, params, cuts)
+    else:
+      update, slots = plan.run_group(i, grads[i], state, params, cuts)
+      new_params[i] = optax.apply_updates(p, update) if _backward.is_float(p) else p
+    for k, s in zip(group.state_outs, slots):
+      new_state[k] = s
+  for k, s in zip(plan.global_outs, global_state):
+    new_state[k] = s
+  for k, s in zip(plan.shared_outs, plan.run_shared(state, params)):
+    new_state[k] = s
+  return new_params, new_state
+
+
+def _row_args(plan: _global.GlobalPlan, i: int, grads, state, params, cuts, rows):
+  """The inputs of leaf ``i``'s update jaxpr and which are rows; ``rows`` = ``(grad, param,
+  slots)`` of one row replace the leaf's gradient, param and state slots."""
+  group, n = plan.groups[i], plan.num_params
+  grad_row, param_row, slot_rows = rows
+  g, st, pr = [None] * n, list(state), list(params)
+  g[i], pr[i] = grad_row, param_row
+  for k, s in zip(group.state_outs, slot_rows):
+    st[k] = s
+  flat = [*plan.consts, *g, *st, *pr, *cuts]
+  is_row = ([False] * len(plan.consts) + [j == i for j in range(n)]
+            + [k in group.state_outs for k in range(plan.num_state)]
+            + [j == i for j in range(n)] + [False] * len(cuts))
+  used = list(zip(flat, is_row, group.reads, strict=True))
+  return [x for x, _, r in used if r], [row for _, row, r in used if r]
+
+
+def _rowwise(plan: _global.GlobalPlan, i: int, grads, state, params, cuts) -> bool:
+  """Whether leaf ``i`` is stacked (``(L, ...)`` with its state slots) and its update computes
+  row ``l`` from row ``l`` of its gradient, param and slots only.
+
+  Below ``2 + slots`` rows the rows in flight cost more than the whole update, as for the
+  backward loops (``_loops.min_loop_length``).
+  """
+  group, p = plan.groups[i], params[i]
+  length = jnp.shape(p)[0] if jnp.ndim(p) else 0
+  if length < 2 + len(group.state_outs) or jnp.shape(grads[i]) != jnp.shape(p) or any(
+      jnp.shape(state[k])[:1] != (length,) for k in group.state_outs):
+    return False
+  row = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x))
+  rows = (row(grads[i]), row(p), [row(state[k]) for k in group.state_outs])
+
+  def run(rows):
+    args, is_row = _row_args(plan, i, grads, state, params, cuts, rows)
+    return _rows.evaluate_rows(group.jaxpr, (), args, is_row, 0, length)
+
+  try:
+    jax.eval_shape(run, rows)
+  except _rows.NotRowwise:
+    return False
+  return True
+
+
+def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts
+                 ) -> tuple[Any, list]:
+  """Leaf ``i``'s new param and state slots, one row per iteration, written in place.
+
+  The whole update would build each full-size intermediate it cannot fuse into all its
+  consumers (the clipped gradient, read by both of Adam's moments); a row loop holds one row
+  of it. The buffers are updated in place.
+  """
+  group, length = plan.groups[i], jnp.shape(params[i])[0]
+
+  def fetch(param, slots, index):
+    at = lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False)
+    return at(param), [at(s) for s in slots]
+
+  def body(index, carry):
+    param, slots, (param_row, slot_rows) = carry
+    grad_row = lax.dynamic_index_in_dim(grads[i], index, 0, keepdims=False)
+    args, is_row = _row_args(plan, i, grads, state, params, cuts,
+                             (grad_row, param_row, slot_rows))
+    update, *new_slots = _rows.evaluate_rows(group.jaxpr, (), args, is_row, index, length)
+    put = lambda buf, r: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype), index, 0)
+    param = put(param, optax.apply_updates(param_row, update))
+    slots = [put(s, r) for s, r in zip(slots, new_slots)]
+    # Prefetch the next rows from the buffers just written: every read of a buffer then follows
+    # its write, and XLA updates the buffers in place (rows of old ``mu`` and ``nu`` read next to
+    # their writes make it copy both buffers, as in ``_loops``).
+    return param, slots, fetch(param, slots, jnp.minimum(index + 1, length - 1))
+
+  param, slots = params[i], [state[k] for k in group.state_outs]
+  param, slots, _ = lax.fori_loop(0, length, body, (param, slots, fetch(param, slots, 0)))
+  return param, slots
+
+
+def _scanned_leaves(plan: _global.GlobalPlan, loss_fn: Callable, params, args: tuple,
+                    kwargs: dict) -> frozenset[int]:
+  """The float param leaves the loss consumes only as the scanned input of a ``lax.scan``
+  (stacked layers), found as ``_loops`` finds them: their update runs row by row."""
+  leaves = plan.params_def.flatten_up_to(params)
+  closed, _, _ = _loops._trace_loss(loss_fn, plan.params_def, leaves, args, kwargs)
+  jaxpr = closed.jaxpr
+  param_of = {v: i for i, v in enumerate(jaxpr.invars[:len(leaves)])
+              if _backward.is_float(leaves[i])}
+  sites = _loops._find_sites(jaxpr, param_of, lambda leaf, length: True)
+  return frozenset(leaf for site in sites.values() for leaf in site.leaves)
 
 
 def _accumulated_grads(loss_fn: Callable, has_aux: bool, params, args: tuple, kwargs: dict,
@@ -138,7 +254,8 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
     ``(value, params, state)``: the loss (or ``(loss, aux)``) at the updated params, the
     updated params and a ``ForwardState`` whose pending gradient is this step's.
   """
-  params, opt_state = apply_pending(plan, params, state)
+  params, opt_state = apply_pending(plan, params, state,
+                                    _scanned_leaves(plan, loss_fn, params, args, kwargs))
   if microbatches > 1:
     value, grads = _accumulated_grads(loss_fn, has_aux, params, args, kwargs, microbatches)
     return value, params, ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
