@@ -44,6 +44,29 @@ def _read_deps(env: dict, atom: Any) -> Deps:
   return env.get(atom, Deps())
 
 
+def _equation_dependencies(eqn: jcore.JaxprEqn, ins: list[Deps]) -> list[Deps]:
+  """Labels of ``eqn``'s outputs from the labels of its inputs."""
+  inner = _inner_jaxpr(eqn)
+  if inner is not None and len(inner.invars) == len(ins):
+    return output_dependencies(inner, ins)
+  if eqn.primitive.name == "cond":
+    index, ops = ins[0], ins[1:]
+    branch_outs = [output_dependencies(b.jaxpr, ops) for b in eqn.params["branches"]]
+    return [index.union(*col) for col in zip(*branch_outs)]
+  return [Deps().union(*ins)] * len(eqn.outvars)
+
+
+def _propagate(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]):
+  """Yields each equation with its output labels, after recording them."""
+  env: dict = dict(zip(jaxpr.invars, in_deps))
+  for eqn in jaxpr.eqns:
+    outs = _equation_dependencies(eqn, [_read_deps(env, v) for v in eqn.invars])
+    for v, d in zip(eqn.outvars, outs):
+      env[v] = d
+    yield eqn, outs
+  yield None, [_read_deps(env, v) for v in jaxpr.outvars]
+
+
 def output_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> list[Deps]:
   """Propagates labels from the inputs of ``jaxpr`` to its outputs.
 
@@ -56,37 +79,14 @@ def output_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> list[Dep
     Dependencies through ``cond`` and call-like primitives are exact; through loops
     (``scan``, ``while``) every output depends on every input, which is conservative.
   """
-  env: dict = dict(zip(jaxpr.invars, in_deps))
-  for eqn in jaxpr.eqns:
-    ins = [_read_deps(env, v) for v in eqn.invars]
-    inner = _inner_jaxpr(eqn)
-    if inner is not None and len(inner.invars) == len(ins):
-      outs = output_dependencies(inner, ins)
-    elif eqn.primitive.name == "cond":
-      index, ops = ins[0], ins[1:]
-      branch_outs = [output_dependencies(b.jaxpr, ops) for b in eqn.params["branches"]]
-      outs = [index.union(*col) for col in zip(*branch_outs)]
-    else:
-      union = Deps().union(*ins)
-      outs = [union] * len(eqn.outvars)
-    for v, d in zip(eqn.outvars, outs):
-      env[v] = d
-  return [_read_deps(env, v) for v in jaxpr.outvars]
+  *_, (_, outs) = _propagate(jaxpr, in_deps)
+  return outs
 
 
 def first_mixing_equation(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> jcore.JaxprEqn | None:
   """The first top-level equation whose output depends on two or more labels."""
-  env: dict = dict(zip(jaxpr.invars, in_deps))
-  for eqn in jaxpr.eqns:
-    ins = [_read_deps(env, v) for v in eqn.invars]
-    inner = _inner_jaxpr(eqn)
-    if inner is not None and len(inner.invars) == len(ins):
-      outs = output_dependencies(inner, ins)
-    else:
-      outs = [Deps().union(*ins)] * len(eqn.outvars)
-    for v, d in zip(eqn.outvars, outs):
-      env[v] = d
-    if any(len(d) > 1 for d in outs):
+  for eqn, outs in _propagate(jaxpr, in_deps):
+    if eqn is not None and any(len(d) > 1 for d in outs):
       return eqn
   return None
 
