@@ -93,15 +93,7 @@ def run_fused(tx: optax.GradientTransformation, mode: str, params, batches: Sequ
   """
   fx = optfuse.fuse(tx, mode=mode)
   params = copy(params)
-  state = copy(fx.init(params))  # some inits share buffers between state leaves (cocob, sam)
-  step = fx.value_and_update(loss_fn)
-  if jit:
-    step = jax.jit(step, donate_argnums=(0, 1))
-  losses = []
-  for t in range(steps):
-    loss, params, state = step(params, state, *batches[t % len(batches)])
-    losses.append(loss)
-  return jnp.stack(losses), params, state
+  return run_steps(fx.value_and_update(loss_fn), params, fx.init(params), batches, steps, jit)
 
 
 def run_optax(tx: optax.GradientTransformation, params, batches: Sequence[tuple], steps: int,
@@ -122,7 +114,17 @@ def run_optax(tx: optax.GradientTransformation, params, batches: Sequence[tuple]
     return loss, optax.apply_updates(params, updates), state
 
   params = copy(params)
-  state = copy(tx.init(params))
+  return run_steps(step, params, tx.init(params), batches, steps, jit)
+
+
+def run_steps(step: Callable, params, state, batches: Sequence[tuple], steps: int,
+              jit: bool = True) -> tuple[jax.Array, Any, Any]:
+  """``steps`` calls of ``step(params, state, *batch)``, jitted with donation unless ``jit=False``.
+
+  Returns:
+    ``(losses, params, state)`` with the losses of every step stacked.
+  """
+  params, state = copy(params), copy(state)  # some inits share buffers between leaves (cocob, sam)
   if jit:
     step = jax.jit(step, donate_argnums=(0, 1))
   losses = []
@@ -130,3 +132,14 @@ def run_optax(tx: optax.GradientTransformation, params, batches: Sequence[tuple]
     loss, params, state = step(params, state, *batches[t % len(batches)])
     losses.append(loss)
   return jnp.stack(losses), params, state
+
+
+def mlp_params_and_batches(seed: int = 0) -> tuple[dict, list[tuple[jax.Array, jax.Array]]]:
+  """A two-layer tanh MLP's params and one batch, for quick (e.g. eager) comparisons."""
+  k = jax.random.split(jax.random.PRNGKey(seed), 4)
+  params = {"w1": jax.random.normal(k[0], (4, 8)), "w2": jax.random.normal(k[1], (8, 2))}
+  return params, [(jax.random.normal(k[2], (3, 4)), jax.random.normal(k[3], (3, 2)))]
+
+
+def mlp_loss(params, x, y):
+  return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)

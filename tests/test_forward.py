@@ -38,18 +38,11 @@ def scaled_loss(params, tokens, targets, scale):
 def train(fx, params, batches, steps, loss_fn=models.tied_lm_loss, jit=True):
   """``steps`` steps of ``fx`` (jitted with donation unless ``jit=False``); returns the losses and
   the flushed params and optax state."""
-  params = models.copy(params)
-  state = fx.init(params)
-  step = fx.value_and_update(loss_fn)
-  if jit:
-    step = jax.jit(step, donate_argnums=(0, 1))
-  losses = []
-  for t in range(steps):
-    loss, params, state = step(params, state, *batches[t % len(batches)])
-    losses.append(loss)
+  losses, params, state = models.run_steps(fx.value_and_update(loss_fn), params,
+                                           fx.init(params), batches, steps, jit)
   to_optax = lambda params, state: optfuse.to_optax_state(fx, params, state)
   params, opt_state = (jax.jit(to_optax) if jit else to_optax)(params, state)
-  return jnp.stack(losses), params, opt_state
+  return losses, params, opt_state
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -61,17 +54,11 @@ def test_forward_fusion_matches_optax_over_50_steps(name):
   chex.assert_trees_all_close(got, expected, **TOL)
 
 
-def mlp_loss(params, x, y):
-  return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
-
-
 def test_forward_fusion_without_jit_matches_optax_over_50_steps():
   tx = OPTIMIZERS["clip_by_global_norm+adamw"]()
-  k = jax.random.split(jax.random.PRNGKey(0), 4)
-  params = {"w1": jax.random.normal(k[0], (4, 8)), "w2": jax.random.normal(k[1], (8, 2))}
-  batches = [(jax.random.normal(k[2], (3, 4)), jax.random.normal(k[3], (3, 2)))]
-  expected = models.run_optax(tx, params, batches, STEPS, loss_fn=mlp_loss, jit=False)
-  got = train(optfuse.fuse(tx, mode="forward"), params, batches, STEPS, loss_fn=mlp_loss,
+  params, batches = models.mlp_params_and_batches()
+  expected = models.run_optax(tx, params, batches, STEPS, loss_fn=models.mlp_loss, jit=False)
+  got = train(optfuse.fuse(tx, mode="forward"), params, batches, STEPS, loss_fn=models.mlp_loss,
               jit=False)
   chex.assert_trees_all_close(got, expected, **TOL)
 

@@ -39,16 +39,8 @@ def batches_with_nans():
 
 def train(fx, params, batches, steps, loss_fn=scaled_loss, jit=True):
   """``steps`` steps of ``fx``, jitted with donation unless ``jit=False``."""
-  params = models.copy(params)
-  state = fx.init(params)
-  step = fx.value_and_update(loss_fn)
-  if jit:
-    step = jax.jit(step, donate_argnums=(0, 1))
-  losses = []
-  for t in range(steps):
-    loss, params, state = step(params, state, *batches[t % len(batches)])
-    losses.append(loss)
-  return jnp.stack(losses), params, state
+  return models.run_steps(fx.value_and_update(loss_fn), params, fx.init(params), batches, steps,
+                          jit)
 
 
 @pytest.mark.parametrize("name", GLOBAL)
@@ -62,18 +54,12 @@ def test_two_pass_backward_matches_optax_over_50_steps(name):
   chex.assert_trees_all_close(got, expected, **TOL)  # NaN losses compare equal to NaN
 
 
-def mlp_loss(params, x, y):
-  return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
-
-
 def test_two_pass_backward_without_jit_matches_optax_over_50_steps():
   tx = GLOBAL["clip_by_global_norm+adamw"]()
-  k = jax.random.split(jax.random.PRNGKey(0), 4)
-  params = {"w1": jax.random.normal(k[0], (4, 8)), "w2": jax.random.normal(k[1], (8, 2))}
-  batches = [(jax.random.normal(k[2], (3, 4)), jax.random.normal(k[3], (3, 2)))]
-  expected = models.run_optax(tx, params, batches, STEPS, loss_fn=mlp_loss, jit=False)
+  params, batches = models.mlp_params_and_batches()
+  expected = models.run_optax(tx, params, batches, STEPS, loss_fn=models.mlp_loss, jit=False)
   got = train(optfuse.fuse(tx, mode="backward", global_ops="two_pass"), params, batches, STEPS,
-              loss_fn=mlp_loss, jit=False)
+              loss_fn=models.mlp_loss, jit=False)
   chex.assert_trees_all_close(got, expected, **TOL)
 
 
