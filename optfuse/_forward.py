@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.experimental.shard_alike import shard_alike
 
 from optfuse import _accumulate, _backward, _global, _loops, _plan, _rows
 from optfuse._errors import StateMismatchError
@@ -258,7 +259,7 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
                                     _scanned_leaves(plan, loss_fn, params, args, kwargs))
   if microbatches > 1:
     value, grads = _accumulated_grads(loss_fn, has_aux, params, args, kwargs, microbatches)
-    return value, params, ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
+    return value, params, _next_state(opt_state, grads, state.pending_grads)
   # The new gradient is the state of a backward-fused ``_capture`` step: each leaf's gradient
   # (each row of a scanned leaf, inside the backward loop) is written into the buffer of the
   # pending gradient just consumed, which the step donates, instead of a fresh buffer that XLA
@@ -267,7 +268,20 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   capture_plan = _plan.make_plan(_capture(), params, pending)
   value, _, grads = _backward.value_and_update(capture_plan, loss_fn, has_aux, params, pending,
                                                args, kwargs, update_params=False)
-  return value, params, ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
+  return value, params, _next_state(opt_state, grads, state.pending_grads)
+
+
+def _next_state(opt_state, grads, pending_grads) -> ForwardState:
+  """The state that keeps ``grads`` pending, each leaf sharded like the pending gradient it
+  replaces.
+
+  Under a mesh with Auto axes XLA chooses the layout of a gradient from the matmul that makes it
+  (``P(None, "fsdp")`` for the gradient of a ``P("fsdp")`` weight), so the state would come back
+  resharded and the next step would move it back. ``shard_alike`` ties each new leaf to the
+  donated buffer it takes over; without a mesh it changes nothing.
+  """
+  grads, _ = shard_alike(grads, pending_grads)
+  return ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
 
 
 def _capture() -> optax.GradientTransformation:

@@ -91,18 +91,6 @@ def _only(arrays: dict, impl: str) -> dict:
   return {k[len(impl) + 1:]: v for k, v in arrays.items() if k.startswith(f"{impl}/")}
 
 
-def _mark_forward_auto_fsdp(config: str, impl: str, request, strict: bool) -> None:
-  """Known bug: forward mode under Auto FSDP axes lets XLA choose the pending gradient's layout.
-
-  XLA shards the gradient of a P("fsdp") weight as P(None, "fsdp") and forward mode returns it
-  that way in its state, so the step's output state is resharded (and the next step needs the
-  original layout back). Explicit axes, or ``out_shardings`` on the jit, pin it.
-  """
-  if impl == "forward" and config.startswith("fsdp/") and config.endswith("/auto"):
-    request.applymarker(pytest.mark.xfail(
-        strict=strict, reason="forward mode: pending gradient resharded under Auto FSDP axes"))
-
-
 def _assert_same_training(got: dict, want: dict, rtol: float, atol: float) -> None:
   assert sorted(got) == sorted(want)
   for key in want:
@@ -126,19 +114,14 @@ def test_fused_on_eight_devices_matches_optax_on_eight_and_on_one(config, impl, 
 
 @pytest.mark.parametrize("impl", ("optax", *FUSED))
 @pytest.mark.parametrize("config", CONFIGS)
-def test_step_returns_params_and_state_with_their_input_shardings(config, impl, eight_devices,
-                                                                 request):
-  _mark_forward_auto_fsdp(config, impl, request, strict=True)
+def test_step_returns_params_and_state_with_their_input_shardings(config, impl, eight_devices):
   report, _ = eight_devices(config)
   assert _impl(report, impl)["resharded"] == []
 
 
 @pytest.mark.parametrize("impl", FUSED)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_fused_step_all_gathers_nothing_optax_does_not(config, impl, eight_devices, request):
-  # Not strict: whether the other layout of the gradient costs an extra gather is XLA's choice
-  # (one more in the unrolled MLP, none in the scanned one).
-  _mark_forward_auto_fsdp(config, impl, request, strict=False)
+def test_fused_step_all_gathers_nothing_optax_does_not(config, impl, eight_devices):
   report, _ = eight_devices(config)
   optax_gathers = collections.Counter(_impl(report, "optax")["all_gathers"])
   fused_gathers = collections.Counter(_impl(report, impl)["all_gathers"])
