@@ -16,7 +16,6 @@ injected hyperparameters) is computed once per step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,13 +73,16 @@ class LeafUpdater:
   """
 
   def __init__(self, plan: UpdatePlan, state_leaves: list, param_leaves: list,
-               extra_grads: list | None = None, update_params: bool = True):
+               extra_grads: list | None = None, update_params: bool = True,
+               pre_updates: dict | None = None):
     self.plan = plan
     self.state = state_leaves
     self.params = param_leaves
     self.extra = extra_grads
     self.update_params = update_params
     self.fired: set[int] = set()
+    self.pre_updates: dict[int, _loops.PreUpdate] = dict(pre_updates or {})
+    self.pre_results: dict[int, tuple] = {}
 
   def slots(self, i: int) -> tuple:
     return tuple(self.state[k] for k in self.plan.groups[i].state_outs)
@@ -148,8 +150,9 @@ def _make_tap(updater: LeafUpdater, i: int) -> Callable:
 
 
 def value_and_update(plan: UpdatePlan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict, extra_grads=None, update_params: bool = True
-                     ) -> tuple[Any, Any, Any]:
+                     args: tuple, kwargs: dict, extra_grads=None, update_params: bool = True,
+                     loop_plan: _loops.LoopPlan | None = None,
+                     pre_updates: dict[int, _loops.PreUpdate] | None = None) -> tuple:
   """One backward-fused step: ``(value, new_params, new_state)``.
 
   Args:
@@ -164,16 +167,23 @@ def value_and_update(plan: UpdatePlan, loss_fn: Callable, has_aux: bool, params,
       (the gradient accumulated over earlier microbatches).
     update_params: ``False`` leaves the params as they are and updates only the state (used to
       accumulate gradients into a state that holds their sum).
+    loop_plan: ``_loops.analyze``'s plan for this loss and these params, if already made.
+    pre_updates: leaf index -> ``_loops.PreUpdate`` for leaves of fused loops whose rows are
+      updated in the forward iteration that reads them (forward fusion).
 
   Returns:
-    ``(value, params, state)`` where value is the loss, or ``(loss, aux)`` with ``has_aux``.
+    ``(value, params, state)`` where value is the loss, or ``(loss, aux)`` with ``has_aux``;
+    with ``pre_updates``, a fourth item: leaf index -> ``(param, slots)`` that the forward loops
+    updated.
   """
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
   extra = None if extra_grads is None else plan.params_def.flatten_up_to(extra_grads)
-  updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), extra, update_params)
+  updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), extra, update_params,
+                        pre_updates)
   diff = [i for i, p in enumerate(param_leaves) if is_float(p)]
-  loop_plan = _loops.analyze(loss_fn, plan, params, list(state_leaves), args, kwargs, diff)
+  if loop_plan is None:
+    loop_plan = _loops.analyze(loss_fn, plan, params, list(state_leaves), args, kwargs, diff)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
   taps = {i: _make_tap(updater, i) for i in tapped_leaves}
 
@@ -185,11 +195,12 @@ def value_and_update(plan: UpdatePlan, loss_fn: Callable, has_aux: bool, params,
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
     value = loop_plan.call(updater, leaves, slots, args, kwargs)
-    return check_loss(value, has_aux)
+    loss, aux = check_loss(value, has_aux)
+    return loss, (aux, dict(updater.pre_results))
 
   diff_params = {i: param_leaves[i] for i in diff}
   slots = {i: updater.slots(i) for i in diff}
-  loss, pullback, aux = jax.vjp(tapped_loss, diff_params, slots, has_aux=True)
+  loss, pullback, (aux, pre_results) = jax.vjp(tapped_loss, diff_params, slots, has_aux=True)
   value = (loss, aux) if has_aux else loss
   seed = jnp.ones_like(loss)
   new_params, new_slots = pullback(seed)
@@ -197,5 +208,6 @@ def value_and_update(plan: UpdatePlan, loss_fn: Callable, has_aux: bool, params,
   params_out, state_out = updater.finish(
       {i: new_params[i] for i in diff if i in fired},
       {i: new_slots[i] for i in diff if i in fired})
-  return (value, jax.tree.unflatten(plan.params_def, params_out),
-          jax.tree.unflatten(plan.state_def, state_out))
+  out = (value, jax.tree.unflatten(plan.params_def, params_out),
+         jax.tree.unflatten(plan.state_def, state_out))
+  return out if pre_updates is None else (*out, pre_results)

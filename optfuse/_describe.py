@@ -6,27 +6,28 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from optfuse import _backward, _loops, _plan
+from optfuse import _backward, _forward, _global, _loops, _plan
 
 
-def describe(tx: optax.GradientTransformation, loss_fn: Callable, params, *args,
-             **kwargs) -> dict[str, str]:
-  """Says where backward fusion updates each parameter leaf, without running anything.
+def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
+  """Says where each parameter leaf is updated, without running anything.
 
   Args:
-    tx: the optax transformation.
+    tx: an optax transformation (placements of backward mode), or a ``FusedTransformation``
+      (placements of its mode).
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     params: params or their ``jax.ShapeDtypeStruct``s.
     *args: the loss's other arguments (arrays or ``jax.ShapeDtypeStruct``s).
     **kwargs: its keyword arguments.
 
   Returns:
-    A dict from leaf path (``jax.tree_util.keystr``) to one of
-    ``"loop"`` (updated row by row inside the backward loop of a scan, in place),
-    ``"tap"`` (updated in the backward pass once its whole gradient is complete) or
-    ``"carried"`` (not a float leaf: carried unchanged).
+    A dict from leaf path (``jax.tree_util.keystr``) to where its update runs. Backward mode:
+    ``"loop"`` (row by row inside the backward loop of a scan, in place) or ``"tap"`` (in the
+    backward pass once its whole gradient is complete). Forward mode: ``"loop"`` (row by row
+    inside the forward loop of a scan, in place, just before the layer runs), ``"rows"`` (row
+    by row in place before the loss) or ``"leaf"`` (whole, before the loss). Mode "off":
+    ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged).
 
   Raises:
     NonSeparableError: ``tx`` cannot run in backward mode.
@@ -40,19 +41,36 @@ def describe(tx: optax.GradientTransformation, loss_fn: Callable, params, *args,
     >>> optfuse.describe(optax.adam(1e-3), loss, params, jnp.ones(3))
     {"['head']": 'tap', "['layers']": 'loop'}
   """
+  from optfuse._fuse import FusedTransformation  # the API module imports this one
+
+  mode = "backward"
+  if isinstance(tx, FusedTransformation):
+    mode, tx = tx.mode, tx.tx
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   params = jax.tree.map(spec, params)
   args, kwargs = jax.tree.map(spec, (args, kwargs))
-  state = jax.eval_shape(tx.init, params)
-  plan = _plan.make_plan(tx, params, state)
-  leaves = plan.params_def.flatten_up_to(params)
+  leaves, params_def = jax.tree.flatten(params)
   diff = [i for i, p in enumerate(leaves) if _backward.is_float(p)]
-
-  def analyze(p, s, a, kw):
-    return _loops.analyze(loss_fn, plan, p, jax.tree.leaves(s), a, kw, diff).fused_leaves
-
-  fused: list = []
-  jax.eval_shape(lambda *xs: fused.append(analyze(*xs)), params, state, args, kwargs)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  return {path: "loop" if i in fused[0] else "tap" if i in diff else "carried"
-          for i, path in enumerate(paths)}
+  label = lambda i, where: where.get(i, "leaf" if mode == "forward" else "tap") if i in diff \
+      else "carried"
+  if mode == "off":
+    return {path: "optax" if i in diff else "carried" for i, path in enumerate(paths)}
+  found: list = []
+  if mode == "forward":
+    state = jax.eval_shape(_forward.transformation(tx)[0], params)
+    plan = _global.make_global_plan(tx, params, state.opt_state)
+
+    def analyze(p, s, a, kw):
+      where = _forward.placement(plan, loss_fn, p, s, a, kw)
+      return {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
+  else:
+    state = jax.eval_shape(tx.init, params)
+    plan = _plan.make_plan(tx, params, state)
+
+    def analyze(p, s, a, kw):
+      fused = _loops.analyze(loss_fn, plan, p, jax.tree.leaves(s), a, kw, diff).fused_leaves
+      return dict.fromkeys(fused, "loop")
+
+  jax.eval_shape(lambda *xs: found.append(analyze(*xs)), params, state, args, kwargs)
+  return {path: label(i, found[0]) for i, path in enumerate(paths)}

@@ -7,13 +7,16 @@ the updated params and keeps that gradient as the new pending one. The params ev
 sees are therefore exactly optax's, for every transform: global-norm clipping, ``apply_if_finite``
 and ``normalize_by_update_norm`` included, since the whole gradient is known when the update runs.
 
-Each leaf is updated before the loss runs; under ``jax.jit`` XLA is free to schedule (and fuse)
-each leaf's update next to its first consumer. Leaves used inside a ``lax.scan`` (stacked layers)
-are updated before the loop too, one row (layer) per iteration of a loop that writes the param
-and state rows in place, when their update never mixes rows (``_rows``): a whole-leaf update
-would hold full-size temporaries that XLA cannot fuse into all their consumers (the clipped
-gradient, read by both of Adam's moments). Updating them inside the scan, next to each layer's
-use, is not done yet.
+Unstacked leaves are updated before the loss runs; under ``jax.jit`` XLA is free to schedule
+(and fuse) each leaf's update next to its first consumer. Stacked layers (param leaves consumed
+by a ``lax.scan``) are updated inside the scan: iteration ``l`` of the forward loop reads row
+``l`` of the pending gradient, param and optimizer state, writes the new param and state rows
+in place and runs the layer on the new row (``_loops.PreUpdate``). That needs an update that
+never mixes rows (``_rows``); other stacked leaves are updated whole before the loop, and
+stacked leaves of loops too short to fuse are updated row by row in place before the loop, since
+a whole-leaf update would hold full-size temporaries that XLA cannot fuse into all their
+consumers (the clipped gradient, read by both of Adam's moments). The global stage (clipping
+factor, all-finite flag) runs once before the loop; the rows read its result.
 
 The new gradient is taken by a backward-fused step (``_backward``) of a transformation whose
 state is the last gradient: each leaf's gradient, and each row of a scanned leaf inside the
@@ -81,46 +84,68 @@ def _check_forward_state(tx: optax.GradientTransformation, params, state) -> Non
 
 
 def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState,
-                  stacked: frozenset[int] = frozenset()) -> tuple[Any, Any]:
-  """Applies the pending update, if any: ``(params, opt_state)`` as optax would have them.
+                  rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset()
+                  ) -> tuple[Any, Any, list]:
+  """Applies the pending update, if any: ``(params, opt_state, cuts)``.
 
-  The global stage runs once on all the pending gradients, then each leaf's share. When
-  ``state.has_pending`` is false both are returned unchanged. The choice is one ``lax.cond``
-  rather than a select per leaf: a select keeps the old and the new value of every param and
-  state leaf alive together (measured: 36 MB of temporaries instead of 0.5 MB for a 4M-param MLP
-  with AdamW), while the conditional updates them in place.
+  The global stage runs once on all the pending gradients, then each leaf's share (row by row
+  in place for the stacked leaves of ``rows``, see ``_update_rows``), except for
+  the leaves of ``deferred``, whose param and slots are returned as they are (their rows are
+  updated inside the forward loop that reads them, from the ``cuts`` returned). When
+  ``state.has_pending`` is false params and state are returned unchanged (and the cuts are
+  zeros). The choice is one ``lax.cond`` rather than a select per leaf: a select keeps the old
+  and the new value of every param and state leaf alive together (measured: 36 MB of
+  temporaries instead of 0.5 MB for a 4M-param MLP with AdamW), while the conditional updates
+  them in place.
   """
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state.opt_state)
+  deferred_slots = {k for i in deferred for k in plan.groups[i].state_outs}
+  own_params = [i for i in range(plan.num_params) if i not in deferred]
+  own_state = [k for k in range(plan.num_state) if k not in deferred_slots]
 
   def apply(operands):
     grads, state_leaves, param_leaves = operands
-    new_params, new_state = _update(plan, grads, state_leaves, param_leaves, stacked)
+    new_params, new_state, cuts = _update(plan, grads, state_leaves, param_leaves, rows,
+                                          deferred)
     # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
-    new_state = [jnp.asarray(new).astype(jnp.result_type(old))
-                 for new, old in zip(new_state, state_leaves)]
-    return new_params, new_state
+    new_state = [jnp.asarray(new_state[k]).astype(jnp.result_type(state_leaves[k]))
+                 for k in own_state]
+    cuts = [jnp.asarray(c).astype(a.dtype) for c, a in zip(cuts, plan.cuts)]
+    return [new_params[i] for i in own_params], new_state, cuts
 
-  keep = lambda operands: (operands[2], operands[1])
+  def keep(operands):
+    _, state_leaves, param_leaves = operands
+    return ([param_leaves[i] for i in own_params], [state_leaves[k] for k in own_state],
+            [jnp.zeros(a.shape, a.dtype) for a in plan.cuts])
+
   operands = (plan.params_def.flatten_up_to(state.pending_grads), state_leaves, param_leaves)
   if isinstance(state.has_pending, jax.core.Tracer):
-    new_params, new_state = jax.lax.cond(state.has_pending, apply, keep, operands)
+    own_new_params, own_new_state, cuts = jax.lax.cond(state.has_pending, apply, keep, operands)
   else:  # eagerly, an eager cond would compile its freshly traced branches at every step
-    new_params, new_state = (apply if state.has_pending else keep)(operands)
+    own_new_params, own_new_state, cuts = (apply if state.has_pending else keep)(operands)
+  new_params, new_state = list(param_leaves), list(state_leaves)
+  for i, p in zip(own_params, own_new_params):
+    new_params[i] = p
+  for k, x in zip(own_state, own_new_state):
+    new_state[k] = x
   return (jax.tree.unflatten(plan.params_def, new_params),
-          jax.tree.unflatten(plan.state_def, new_state))
+          jax.tree.unflatten(plan.state_def, new_state), cuts)
 
 
 def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
-            stacked: frozenset[int]) -> tuple[list, list]:
-  """Flat ``(new_params, new_state)``: ``plan.update`` and ``optax.apply_updates``, where each
-  leaf of ``stacked`` whose update never mixes rows is updated row by row in place
-  (``_update_rows``)."""
+            rows: frozenset[int], deferred: frozenset[int] = frozenset()
+            ) -> tuple[list, list, list]:
+  """Flat ``(new_params, new_state, cuts)``: ``plan.update`` and ``optax.apply_updates``,
+  where the leaves of ``rows`` are updated row by row in place (``_update_rows``) and the leaves
+  of ``deferred`` are left as they are."""
   cuts, global_state = plan.run_global(grads, state, params)
   new_params, new_state = list(params), list(state)
   for i, group in enumerate(plan.groups):
+    if i in deferred:
+      continue
     p = params[i]
-    if i in stacked and _backward.is_float(p) and _rowwise(plan, i, grads, state, params, cuts):
+    if i in rows:
       new_params[i], slots = _update_rows(plan, i, grads, state, params, cuts)
     else:
       update, slots = plan.run_group(i, grads[i], state, params, cuts)
@@ -131,7 +156,7 @@ def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
     new_state[k] = s
   for k, s in zip(plan.shared_outs, plan.run_shared(state, params)):
     new_state[k] = s
-  return new_params, new_state
+  return new_params, new_state, cuts
 
 
 def _row_args(plan: _global.GlobalPlan, i: int, grads, state, params, cuts, rows):
@@ -151,7 +176,7 @@ def _row_args(plan: _global.GlobalPlan, i: int, grads, state, params, cuts, rows
   return [x for x, _, r in used if r], [row for _, row, r in used if r]
 
 
-def _rowwise(plan: _global.GlobalPlan, i: int, grads, state, params, cuts) -> bool:
+def _rowwise(plan: _global.GlobalPlan, i: int, grads, state, params) -> bool:
   """Whether leaf ``i`` is stacked (``(L, ...)`` with its state slots) and its update computes
   row ``l`` from row ``l`` of its gradient, param and slots only.
 
@@ -166,12 +191,12 @@ def _rowwise(plan: _global.GlobalPlan, i: int, grads, state, params, cuts) -> bo
   row = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x))
   rows = (row(grads[i]), row(p), [row(state[k]) for k in group.state_outs])
 
-  def run(rows):
+  def run(rows, cuts):
     args, is_row = _row_args(plan, i, grads, state, params, cuts, rows)
     return _rows.evaluate_rows(group.jaxpr, (), args, is_row, 0, length)
 
   try:
-    jax.eval_shape(run, rows)
+    jax.eval_shape(run, rows, list(plan.cuts))
   except _rows.NotRowwise:
     return False
   return True
@@ -255,20 +280,102 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
     ``(value, params, state)``: the loss (or ``(loss, aux)``) at the updated params, the
     updated params and a ``ForwardState`` whose pending gradient is this step's.
   """
-  params, opt_state = apply_pending(plan, params, state,
-                                    _scanned_leaves(plan, loss_fn, params, args, kwargs))
+  where = placement(plan, loss_fn, params, state, args, kwargs)
   if microbatches > 1:
+    params, opt_state, _ = apply_pending(plan, params, state, where.rows | where.in_loop)
     value, grads = _accumulated_grads(loss_fn, has_aux, params, args, kwargs, microbatches)
     return value, params, _next_state(opt_state, grads, state.pending_grads)
   # The new gradient is the state of a backward-fused ``_capture`` step: each leaf's gradient
   # (each row of a scanned leaf, inside the backward loop) is written into the buffer of the
   # pending gradient just consumed, which the step donates, instead of a fresh buffer that XLA
   # then copies into the donated one.
-  pending = jax.tree.unflatten(plan.params_def, plan.params_def.flatten_up_to(state.pending_grads))
-  capture_plan = _plan.make_plan(_capture(), params, pending)
-  value, _, grads = _backward.value_and_update(capture_plan, loss_fn, has_aux, params, pending,
-                                               args, kwargs, update_params=False)
+  param_leaves = plan.params_def.flatten_up_to(params)
+  grad_leaves = plan.params_def.flatten_up_to(state.pending_grads)
+  state_leaves = jax.tree.leaves(state.opt_state)
+  in_loop = where.in_loop
+  params, opt_state, cuts = apply_pending(plan, params, state, where.rows, in_loop)
+  pre = {i: _pre_update(plan, i, grad_leaves, state_leaves, param_leaves, cuts,
+                        state.has_pending) for i in in_loop}
+  pending = jax.tree.unflatten(plan.params_def, grad_leaves)
+  value, _, grads, updated = _backward.value_and_update(
+      where.capture_plan, loss_fn, has_aux, params, pending, args, kwargs, update_params=False,
+      loop_plan=where.loop_plan, pre_updates=pre)
+  if in_loop:
+    new_params = plan.params_def.flatten_up_to(params)
+    new_state = jax.tree.leaves(opt_state)
+    for i in in_loop:
+      new_params[i], slots = updated[i]
+      for k, slot in zip(plan.groups[i].state_outs, slots):
+        new_state[k] = slot
+    params = jax.tree.unflatten(plan.params_def, new_params)
+    opt_state = jax.tree.unflatten(plan.state_def, new_state)
   return value, params, _next_state(opt_state, grads, state.pending_grads)
+
+
+class Placement(NamedTuple):
+  """Where a forward-mode step updates each leaf and captures its gradient.
+
+  Attributes:
+    capture_plan: the plan of the backward-fused step that captures the new gradient.
+    loop_plan: its loop plan: the leaves whose gradient rows a backward loop writes in place.
+    in_loop: leaves updated row by row inside the forward loop that reads them.
+    rows: other stacked leaves, updated row by row in place before the loss runs.
+  """
+
+  capture_plan: _plan.UpdatePlan
+  loop_plan: _loops.LoopPlan
+  in_loop: frozenset[int]
+  rows: frozenset[int]
+
+
+def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: ForwardState,
+              args: tuple, kwargs: dict) -> Placement:
+  """Decides, from shapes alone, where each leaf's pending update runs.
+
+  A stacked leaf whose gradient rows a backward loop captures, and whose update never mixes
+  rows, is updated inside the forward loop, each row just before the layer reads it; other
+  stacked leaves are updated row by row before the loss, the rest whole.
+  """
+  param_leaves = plan.params_def.flatten_up_to(params)
+  grad_leaves = plan.params_def.flatten_up_to(state.pending_grads)
+  state_leaves = jax.tree.leaves(state.opt_state)
+  pending = jax.tree.unflatten(plan.params_def, grad_leaves)
+  capture_plan = _plan.make_plan(_capture(), params, pending)
+  diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
+  loop_plan = _loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs, diff)
+  rowwise = lambda i: _rowwise(plan, i, grad_leaves, state_leaves, param_leaves)
+  in_loop = frozenset(i for i in loop_plan.fused_leaves if rowwise(i))
+  stacked = _scanned_leaves(plan, loss_fn, params, args, kwargs)
+  rows = frozenset(i for i in stacked - in_loop if i in diff and rowwise(i))
+  return Placement(capture_plan, loop_plan, in_loop, rows)
+
+
+def _pre_update(plan: _global.GlobalPlan, i: int, grads: list, state: list, params: list,
+                cuts: list, has_pending) -> _loops.PreUpdate:
+  """Leaf ``i``'s pending update as a ``PreUpdate``: row by row, inside the forward loop.
+
+  The update reads the old state and params (``tx.update(g, state, params)``) and the cuts of
+  this step's global stage; when nothing is pending the rows are kept as they are.
+  """
+  group, length = plan.groups[i], jnp.shape(params[i])[0]
+  grad_at, param_at = object(), object()
+  slots_at = [object() for _ in group.state_outs]
+  args, is_row = _row_args(plan, i, grads, state, params, cuts, (grad_at, param_at, slots_at))
+  places = {id(x): pos for pos, x in enumerate(args)}
+  operands = ([None if r else a for a, r in zip(args, is_row)], has_pending)
+
+  def row_fn(grad_row, param_row, slot_rows, operands, index):
+    args, enabled = operands
+    args = list(args)
+    for at, row in [(grad_at, grad_row), (param_at, param_row), *zip(slots_at, slot_rows)]:
+      if id(at) in places:
+        args[places[id(at)]] = row
+    update, *new_slots = _rows.evaluate_rows(group.jaxpr, (), args, is_row, index, length)
+    keep = lambda new, old: jnp.where(enabled, new.astype(old.dtype), old)
+    return (keep(optax.apply_updates(param_row, update), param_row),
+            [keep(new, old) for new, old in zip(new_slots, slot_rows)])
+
+  return _loops.PreUpdate(grads[i], tuple(state[k] for k in group.state_outs), operands, row_fn)
 
 
 def _next_state(opt_state, grads, pending_grads) -> ForwardState:
@@ -328,7 +435,7 @@ def transformation(tx: optax.GradientTransformation):
   def flush(params, state):
     check_params(params)
     _check_forward_state(tx, params, state)
-    params, opt_state = apply_pending(get_plan(params, state.opt_state), params, state)
+    params, opt_state, _ = apply_pending(get_plan(params, state.opt_state), params, state)
     return params, _no_pending(params, opt_state)
 
   return init, make_step, flush

@@ -49,6 +49,27 @@ class _Site(NamedTuple):
   leaves: tuple[int, ...]
 
 
+class PreUpdate(NamedTuple):
+  """An update applied to each row of a stacked leaf in the forward iteration that reads it.
+
+  Forward fusion (``_forward``) updates a scanned layer's params just before the layer runs:
+  iteration ``l`` of the loop computes row ``l`` of the new param and optimizer state from row
+  ``l`` of the pending gradient, writes them in place, and runs the layer on the new row.
+
+  Attributes:
+    grads: the stacked pending gradient of the leaf (read row by row).
+    slots: the leaf's stacked optimizer-state slots, updated in place row by row.
+    operands: a pytree of arrays ``row_fn`` reads whole (shared state, global cuts...).
+    row_fn: ``row_fn(grad_row, param_row, slot_rows, operands, index) -> (param_row,
+      slot_rows)``, the new rows of the param and of the slots.
+  """
+
+  grads: Any
+  slots: tuple
+  operands: Any
+  row_fn: Any
+
+
 class LoopPlan(NamedTuple):
   """How the loss is evaluated: directly, or through its jaxpr with fused scans.
 
@@ -309,6 +330,9 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
   leaf_slots = tuple(slots[leaf] for leaf in site.leaves)
   readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
   extras = tuple(None if updater.extra is None else updater.extra[leaf] for leaf in site.leaves)
+  pre = tuple(updater.pre_updates.get(leaf) for leaf in site.leaves)
+  pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
+  has_pre = any(u is not None for u in pre)
 
   fc = [_is_float_aval(v) for v in body.jaxpr.invars[:nc]]
   fk = [_is_float_aval(v) for v in body.jaxpr.invars[nc:nc + nk]]
@@ -360,13 +384,70 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
 
   info: list[_Residuals] = []
 
-  @jax.custom_vjp
-  def fscan(pstacks, leaf_slots, readonly, extras, consts, carry, xs_other):
-    del leaf_slots, readonly, extras
-    xs = xs_slices(pstacks, xs_other)
-    return tuple(eqn.primitive.bind(*consts, *carry, *xs, **prm))
+  def pre_loop(pstacks, pre_in, consts, carry, xs_other, needs_carry):
+    """The forward loop of forward fusion: each leaf of ``pre`` has its row updated in place
+    right before the body reads it; returns the body's outputs, the residuals and the updated
+    param and slot stacks."""
+    put = lambda buf, r, index: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype),
+                                                                 index, 0)
+    plain = [p for p, u in zip(pstacks, pre) if u is None]
 
-  def fwd(pstacks, leaf_slots, readonly, extras, consts, carry, xs_other):
+    index_of = lambda k: length - 1 - k if reverse else k
+
+    def fetch(stacks, slot_stacks, index):
+      at = lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False)
+      return tuple(None if u is None else tuple(at(t) for t in slots)
+                   for slots, u in zip(slot_stacks, pre))
+
+    def body(state, x):
+      k, c, stacks, slot_stacks, rows = state
+      index = index_of(k)
+      plain_rows, xo_rows = x
+      plain_rows = iter(plain_rows)
+      p_rows, stacks, slot_stacks = [], list(stacks), list(slot_stacks)
+      for j, u in enumerate(pre):
+        if u is None:
+          p_rows.append(next(plain_rows))
+          continue
+        grads, _, operands = pre_in[j]
+        grad_row = lax.dynamic_index_in_dim(grads, index, 0, keepdims=False)
+        param_row = lax.dynamic_index_in_dim(stacks[j], index, 0, keepdims=False)
+        p_row, s_rows = u.row_fn(grad_row, param_row, list(rows[j]), operands, index)
+        stacks[j] = put(stacks[j], p_row, index)
+        slot_stacks[j] = tuple(put(t, r, index) for t, r in zip(slot_stacks[j], s_rows))
+        p_rows.append(p_row.astype(stacks[j].dtype))
+      out, pullback, flat_inputs = float_vjp(consts, c, p_rows, xo_rows)
+      _, saved = residual_sources(pullback, flat_inputs)
+      # Prefetch the next slot rows from the buffers just written, as the backward loop does:
+      # XLA recomputes a new slot row inside each of its consumers, so rows read in this
+      # iteration would be read again after the in-place write and XLA would copy the whole
+      # stack every iteration to keep them. The param row is read once, before its write.
+      rows = fetch(stacks, slot_stacks, index_of(jnp.minimum(k + 1, length - 1)))
+      state = (k + 1, out[:nk], tuple(stacks), tuple(slot_stacks), rows)
+      return state, (out[nk:], saved, c if needs_carry else None)
+
+    stacks = tuple(p if u is not None else None for p, u in zip(pstacks, pre))
+    slot_stacks = tuple(u[1] if u is not None else () for u in pre_in)
+    init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks,
+            fetch(stacks, slot_stacks, index_of(0)))
+    (_, carry_out, stacks, slot_stacks, _), (ys, saved, carries) = lax.scan(
+        body, init, (plain, list(xs_other)), length=length, reverse=reverse,
+        unroll=prm["unroll"])
+    new_pstacks = tuple(p if u is None else q for p, q, u in zip(pstacks, stacks, pre))
+    pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))
+    return carry_out, ys, saved, carries, new_pstacks, pre_out
+
+  @jax.custom_vjp
+  def fscan(pstacks, leaf_slots, readonly, extras, pre_in, consts, carry, xs_other):
+    del leaf_slots, readonly, extras
+    if has_pre:
+      carry_out, ys, _, _, _, pre_out = pre_loop(pstacks, pre_in, consts, carry, xs_other,
+                                                 False)
+      return (*carry_out, *ys), pre_out
+    xs = xs_slices(pstacks, xs_other)
+    return tuple(eqn.primitive.bind(*consts, *carry, *xs, **prm)), tuple(None for _ in pre)
+
+  def fwd(pstacks, leaf_slots, readonly, extras, pre_in, consts, carry, xs_other):
     xs = xs_slices(pstacks, xs_other)
     row0 = [lax.dynamic_index_in_dim(x, 0, 0, keepdims=False) for x in xs]
     jax.eval_shape(probe, list(consts), list(carry), row0)
@@ -378,16 +459,22 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
       _, saved = residual_sources(pullback, flat_inputs)
       return out[:nk], (out[nk:], saved, c if residuals.needs_carry else None)
 
-    carry_out, (ys, saved, carries) = lax.scan(save_body, list(carry), xs, length=length,
-                                               reverse=reverse, unroll=prm["unroll"])
+    if has_pre:
+      carry_out, ys, saved, carries, pstacks, pre_out = pre_loop(
+          pstacks, pre_in, consts, carry, xs_other, residuals.needs_carry)
+    else:
+      carry_out, (ys, saved, carries) = lax.scan(save_body, list(carry), xs, length=length,
+                                                 reverse=reverse, unroll=prm["unroll"])
+      pre_out = tuple(None for _ in pre)
     res = (pstacks, leaf_slots, readonly, extras, consts, carries, saved, xs_other)
-    return (*carry_out, *ys), res
+    return ((*carry_out, *ys), pre_out), res
 
   def bwd(res, cts):
     pstacks, leaf_slots, readonly, extras, consts, carries, saved, xs_other = res
     residuals = info[-1]
     for leaf in site.leaves:
       updater.fired.add(leaf)
+    cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
     ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
     float_consts = _split(consts, fc)[0]
 
@@ -443,7 +530,13 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
     ct_c, ct_consts, stacks, state_stacks, ct_xo, _ = lax.fori_loop(0, length, iteration, init)
     ct_consts_full = _merge(ct_consts, [None] * (nc - sum(fc)), fc)
     ct_xo_full = _merge(ct_xo, [None] * (len(xs_other) - sum(fxo)), fxo)
-    return (tuple(stacks), tuple(state_stacks), None, None, ct_consts_full, ct_c, ct_xo_full)
+    return (tuple(stacks), tuple(state_stacks), None, None, None, ct_consts_full, ct_c,
+            ct_xo_full)
 
   fscan.defvjp(fwd, bwd)
-  return list(fscan(pstacks, leaf_slots, readonly, extras, consts_in, carry_in, xs_other))
+  outs, pre_out = fscan(pstacks, leaf_slots, readonly, extras, pre_in, consts_in, carry_in,
+                        xs_other)
+  for leaf, updated in zip(site.leaves, pre_out):
+    if updated is not None:
+      updater.pre_results[leaf] = updated
+  return list(outs)
