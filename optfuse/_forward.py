@@ -387,7 +387,8 @@ def _next_state(opt_state, grads, pending_grads) -> ForwardState:
   resharded and the next step would move it back. ``shard_alike`` ties each new leaf to the
   donated buffer it takes over; without a mesh it changes nothing.
   """
-  grads, _ = shard_alike(grads, pending_grads)
+  if jax.tree.leaves(grads):  # shard_alike cannot unpack the results of an empty tree
+    grads, _ = shard_alike(grads, pending_grads)
   return ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _accumulate, _backward, _forward, _global, _plan
+from optfuse import _accumulate, _backward, _forward, _global, _plan, _two_pass
 from optfuse._errors import (
     MicrobatchError,
     ParamsStructureError,
@@ -192,7 +192,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
   if mode == "forward":
     return FusedTransformation(*_forward.transformation(tx), mode, tx)
-  make_plan = _global.make_two_pass_plan if global_ops == "two_pass" else _plan.make_plan
+  make_plan = _two_pass.make_plan if global_ops == "two_pass" else _plan.make_plan
   plans: dict = {}
 
   def get_plan(params, state) -> _plan.UpdatePlan | _global.GlobalPlan:
@@ -213,12 +213,8 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   def fused(loss_fn, has_aux, params, state, args, kwargs, extra_grads=None):
     plan = get_plan(params, state)
     if isinstance(plan, _global.GlobalPlan):
-      if extra_grads is not None:
-        raise MicrobatchError(
-            'global_ops="two_pass" does not accumulate microbatches yet; use mode="forward" '
-            "(exact for global transforms) with microbatches, or mode=\"off\".")
-      return _global.two_pass_value_and_update(plan, loss_fn, has_aux, params, state, args,
-                                               kwargs)
+      return _two_pass.value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
+                                        extra_grads)
     return _backward.value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
                                       extra_grads)
 

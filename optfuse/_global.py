@@ -19,15 +19,13 @@ is split into one ``cond`` per leaf first, so that each leaf's share stays in it
 
 The global stage is further split into per-leaf *statistics* (each leaf's squared norm, whether
 it is finite: the values that feed the first operation mixing two leaves) and a *combine* step
-that reads only statistics. The two-pass backward step (``optfuse.fuse(tx, mode="backward",
-global_ops="two_pass")``) uses this: a first backward pass emits each leaf's statistics from its
-tap, the combine step computes the cuts, and a second backward pass over the same forward
-residuals updates every leaf with them. The forward pass runs once; the backward pass twice.
+that reads only statistics: what the two-pass backward step (``_two_pass``) needs, whose first
+backward pass emits each leaf's statistics and whose second updates every leaf with the cuts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -507,160 +505,3 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
   return GlobalPlan(params_def, state_def, n, m, tuple(consts), tuple(_aval(c) for c in cuts),
                     tuple(global_outs), global_jaxpr, tuple(global_reads), tuple(groups),
                     tuple(shared_outs), shared_jaxpr, tuple(shared_reads), stats)
-
-
-def make_two_pass_plan(tx: optax.GradientTransformation, params,
-                       state) -> _plan.UpdatePlan | GlobalPlan:
-  """The plan of ``global_ops="two_pass"``: ``make_plan``'s where the transform is separable.
-
-  A separable transform needs no statistics and runs the one-pass backward step; any other gets
-  a ``GlobalPlan`` with per-leaf statistics.
-
-  Raises:
-    NonSeparableError: the global stage does not split into per-leaf statistics the backward pass
-      can carry (see ``make_global_plan``).
-  """
-  try:
-    return _plan.make_plan(tx, params, state)
-  except NonSeparableError:
-    return make_global_plan(tx, params, state, two_pass=True)
-
-
-def _carry(x):
-  """A statistic as a cotangent: bool statistics travel as exact 0.0/1.0 float32."""
-  return x.astype(jnp.float32) if jnp.result_type(x) == jnp.bool_ else x
-
-
-def _uncarry(x, aval: jax.ShapeDtypeStruct):
-  return x != 0 if aval.dtype == jnp.bool_ else x
-
-
-def _after(seed, cuts):
-  """``seed``, computed from ``cuts`` so that the second backward pass cannot start before them.
-
-  Without it XLA runs the two backward passes side by side (the second one's cotangents depend
-  on nothing the first computes) and keeps each weight gradient of the second pass alive until
-  the global statistics are known: optax's memory, not backward fusion's. An optimization barrier
-  alone does not order them: XLA sees through it to the constant seed. ``(bits | 1) != 0`` is
-  always true, whatever the cut's value (NaN included), so the seed is exactly itself.
-  """
-  cuts = [c for c in cuts if jnp.size(c)]
-  if not cuts:
-    return seed
-  first = jnp.ravel(cuts[0])[0].astype(jnp.float32)
-  bits = jax.lax.bitcast_convert_type(first, jnp.int32)
-  return jnp.where((bits | 1) != 0, seed, jnp.zeros_like(seed))
-
-
-def two_pass_value_and_update(plan: GlobalPlan, loss_fn: Callable, has_aux: bool, params, state,
-                              args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
-  """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
-
-  Each float leaf enters the loss through a tap (an identity with a ``jax.custom_vjp``). The
-  forward pass runs once; its pullback runs twice. In the first backward pass each tap's rule
-  computes its leaf's statistics from the leaf's complete gradient and returns them as the
-  cotangent of a zero input; the combine step turns them into the cuts (clipping factor,
-  all-finite flag...) and the global state. In the second pass each tap's rule runs the leaf's
-  group with the cuts and returns the new param and state leaves as cotangents, as the one-pass
-  backward step does. No gradient tree is ever materialised.
-
-  Args:
-    plan: a ``GlobalPlan`` built with ``two_pass=True``.
-    loss_fn: ``loss_fn(params, *args, **kwargs)``.
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    params: the params tree.
-    state: the optax state.
-    args: positional arguments of ``loss_fn`` after params.
-    kwargs: keyword arguments of ``loss_fn``.
-
-  Returns:
-    ``(value, params, state)`` where value is the loss, or ``(loss, aux)`` with ``has_aux``.
-  """
-  param_leaves = plan.params_def.flatten_up_to(params)
-  state_leaves = jax.tree.leaves(state)
-  diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
-  # The pullback is traced once per pass; the tap rules read which pass this is from here.
-  now = {"pass": "stats", "cuts": ()}
-  fired: dict[str, set[int]] = {"stats": set(), "update": set()}
-
-  def slots_of(i):
-    return tuple(state_leaves[k] for k in plan.groups[i].state_outs)
-
-  def apply(i, grad, param, slots, cuts):
-    state_in, params_in = list(state_leaves), list(param_leaves)
-    for k, s in zip(plan.groups[i].state_outs, slots):
-      state_in[k] = s
-    params_in[i] = param
-    update, new_slots = plan.run_group(i, grad, state_in, params_in, cuts)
-    return optax.apply_updates(param, update), tuple(new_slots)
-
-  def make_tap(i):
-    @jax.custom_vjp
-    def tap(param, slots, stat_zeros):
-      del slots, stat_zeros
-      return param
-
-    def fwd(param, slots, stat_zeros):
-      del stat_zeros
-      return param, (param, slots)
-
-    def bwd(res, grad):
-      param, slots = res
-      fired[now["pass"]].add(i)
-      if now["pass"] == "stats":
-        params_in = list(param_leaves)
-        params_in[i] = param
-        stats = plan.run_stats(i, grad, state_leaves, params_in)
-        return None, None, tuple(_carry(s) for s in stats)
-      new_param, new_slots = apply(i, grad, param, slots, now["cuts"])
-      return new_param, new_slots, None
-
-    tap.defvjp(fwd, bwd)
-    return tap
-
-  taps = {i: make_tap(i) for i in diff}
-  stat_avals = plan.stats.stats if plan.stats is not None else ((),) * plan.num_params
-
-  def tapped_loss(diff_params, slots, stat_zeros):
-    leaves = list(param_leaves)
-    for i in diff:
-      leaves[i] = taps[i](diff_params[i], slots[i], stat_zeros[i])
-    value = loss_fn(jax.tree.unflatten(plan.params_def, leaves), *args, **kwargs)
-    return _backward.check_loss(value, has_aux)
-
-  stat_zeros = {i: tuple(jnp.zeros(a.shape, jnp.result_type(_carry(jnp.zeros((), a.dtype))))
-                         for a in stat_avals[i]) for i in diff}
-  slots = {i: slots_of(i) for i in diff}
-  loss, pullback, aux = jax.vjp(tapped_loss, {i: param_leaves[i] for i in diff}, slots,
-                                stat_zeros, has_aux=True)
-  seed = jnp.ones_like(loss)
-  cuts, global_state = [], []
-  if plan.stats is not None:
-    _, _, stat_cts = pullback(seed)
-    stats = []
-    for i, p in enumerate(param_leaves):
-      if i in fired["stats"]:
-        stats.append([_uncarry(x, a) for x, a in zip(stat_cts[i], stat_avals[i])])
-      else:  # never used by the loss, or not float: optax sees a zero gradient
-        stats.append(plan.run_stats(i, jnp.zeros_like(p), state_leaves, param_leaves))
-    cuts, global_state = plan.run_combine(stats, state_leaves, param_leaves)
-    seed = _after(seed, cuts)
-  now.update({"pass": "update", "cuts": cuts})
-  new_params, new_slots, _ = pullback(seed)
-
-  params_out, state_out = list(param_leaves), list(state_leaves)
-  for i, (p, group) in enumerate(zip(param_leaves, plan.groups)):
-    if i in fired["update"]:
-      params_out[i], group_slots = new_params[i], new_slots[i]
-    else:
-      new_p, group_slots = apply(i, jnp.zeros_like(p), p, slots_of(i), cuts)
-      params_out[i] = new_p if _backward.is_float(p) else p
-    for k, s in zip(group.state_outs, group_slots):
-      state_out[k] = s
-  for k, s in zip(plan.global_outs, global_state):
-    state_out[k] = s
-  for k, s in zip(plan.shared_outs, plan.run_shared(state_leaves, param_leaves)):
-    state_out[k] = s
-  value = (loss, aux) if has_aux else loss
-  return (value, jax.tree.unflatten(plan.params_def, params_out),
-          jax.tree.unflatten(plan.state_def, state_out))

@@ -1,5 +1,7 @@
 """Two-pass backward: global-norm clipping and other global transforms fused exactly."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _global, _plan
+from optfuse import _accumulate, _plan, _two_pass
 from tests import models
 
 STEPS = 50
@@ -86,14 +88,14 @@ def test_backward_mode_without_the_opt_in_refuses_global_transforms():
 def test_two_pass_with_a_separable_transform_is_the_one_pass_backward_step():
   tx = optax.adamw(1e-2)
   params = models.tied_lm_params()
-  plan = _global.make_two_pass_plan(tx, params, tx.init(params))
+  plan = _two_pass.make_plan(tx, params, tx.init(params))
   assert isinstance(plan, _plan.UpdatePlan)
 
 
 def test_two_pass_plan_statistics_are_scalars_for_clipping():
   tx = GLOBAL["clip_by_global_norm+adamw"]()
   params = models.tied_lm_params()
-  plan = _global.make_two_pass_plan(tx, params, tx.init(params))
+  plan = _two_pass.make_plan(tx, params, tx.init(params))
   # One squared norm per leaf crosses the backward pass, never a gradient-sized array.
   assert all([s.shape for s in leaf_stats] == [()] for leaf_stats in plan.stats.stats)
 
@@ -132,3 +134,130 @@ def test_two_pass_of_a_scanned_model_matches_optax():
 def test_unknown_global_ops_is_refused():
   with pytest.raises(optfuse.UnknownModeError, match="two_pass"):
     optfuse.fuse(optax.adam(1e-2), global_ops="three_pass")
+
+
+# Gradient accumulation: two_pass with microbatches=k against optax's accumulation loop.
+
+ACCUMULATE = {
+    "clip_by_global_norm+adamw": GLOBAL["clip_by_global_norm+adamw"],
+    "apply_if_finite(adam)": lambda: optax.apply_if_finite(optax.adam(1e-2),
+                                                           max_consecutive_errors=3),
+}
+ACC_STEPS = 20
+# Step t puts a NaN in microbatch t % k: with k = 2 and 4 that is the last microbatch (fused in
+# the two-pass step) on step 3 and an earlier one (in the accumulator) on the others.
+ACC_NAN_STEPS = {3, 4, 17, 18}
+# float32 over 20 steps; the fused step sums the gradients of loss / k where optax sums those of
+# the loss and divides by k. Measured on CPU: at most 4.8e-7 absolute (one ulp of the losses,
+# about 4.0); 5e-6 leaves a 10x margin.
+ACC_TOL = dict(rtol=5e-6, atol=5e-6)
+
+
+def example_scaled_loss(params, tokens, targets, scale):
+  """``tied_lm_loss`` times the mean of a per-example ``scale`` (split with the batch)."""
+  return models.tied_lm_loss(params, tokens, targets) * jnp.mean(scale)
+
+
+def accumulation_batches(k, nans):
+  """``(tokens, targets, scale)`` batches; with ``nans``, NaN examples on ``ACC_NAN_STEPS``."""
+  batches = []
+  for t, (tokens, targets) in enumerate(models.tied_lm_batches(ACC_STEPS)):
+    scale = np.ones(tokens.shape[0], np.float32)
+    if nans and t in ACC_NAN_STEPS:
+      scale[(t % k) * (tokens.shape[0] // k)] = np.nan
+    batches.append((tokens, targets, jnp.asarray(scale)))
+  return batches
+
+
+def train_accumulated(tx, k, params, batches, steps, loss_fn=example_scaled_loss, jit=True):
+  """``(reference, fused)`` runs: optax's accumulation loop and two-pass with ``microbatches=k``."""
+  fx = optfuse.fuse(tx, mode="backward", global_ops="two_pass")
+  got = models.run_steps(fx.value_and_update(loss_fn, microbatches=k), params, fx.init(params),
+                         batches, steps, jit)
+  expected = models.run_steps(_accumulate.optax_step(loss_fn, False, k, tx), params,
+                              tx.init(params), batches, steps, jit)
+  return expected, got
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("name", ACCUMULATE)
+def test_two_pass_with_microbatches_matches_optax_accumulation_over_20_steps(name, k):
+  nans = "apply_if_finite" in name
+  expected, got = train_accumulated(ACCUMULATE[name](), k, models.tied_lm_params(),
+                                    accumulation_batches(k, nans), ACC_STEPS)
+  chex.assert_trees_all_close(got, expected, **ACC_TOL)  # NaN losses compare equal to NaN
+  if nans:
+    # One NaN example poisons the mean gradient: the whole step is skipped, as optax does.
+    assert int(got[2].total_notfinite) == len(ACC_NAN_STEPS)
+    assert bool(jnp.isnan(got[0][np.array(sorted(ACC_NAN_STEPS))]).all())
+
+
+def test_two_pass_with_microbatches_without_jit_matches_optax_accumulation():
+  tx = ACCUMULATE["clip_by_global_norm+adamw"]()
+  expected, got = train_accumulated(tx, 2, models.tied_lm_params(),
+                                    accumulation_batches(2, nans=False), 3, jit=False)
+  chex.assert_trees_all_close(got, expected, **ACC_TOL)
+
+
+def mlp_case():
+  params, _ = models.mlp_params_and_batches()
+  k = jax.random.split(jax.random.PRNGKey(7), 2)
+  x, y = jax.random.normal(k[0], (8, 4)), jax.random.normal(k[1], (8, 2))
+  return params, [(x, y), (-x, y)], models.mlp_loss
+
+
+def scanned_case():
+  loss = functools.partial(scanned_loss, scale=1.0)  # a float kwarg is not split
+  return stacked_params(), models.tied_lm_batches(), loss
+
+
+@pytest.mark.parametrize("case", [mlp_case, scanned_case], ids=["unrolled_mlp", "scanned"])
+def test_two_pass_with_microbatches_of_unrolled_and_scanned_models_matches_optax(case):
+  params, batches, loss = case()
+  expected, got = train_accumulated(ACCUMULATE["clip_by_global_norm+adamw"](), 2, params,
+                                    batches, 10, loss_fn=loss)
+  chex.assert_trees_all_close(got, expected, **ACC_TOL)
+
+
+def test_two_pass_step_adds_extra_grads_to_every_leaf_like_optax():
+  tx = ACCUMULATE["clip_by_global_norm+adamw"]()
+  params, batch = models.tied_lm_params(), models.tied_lm_batches()[0]
+  state = tx.init(params)
+  keys = iter(jax.random.split(jax.random.PRNGKey(11), len(jax.tree.leaves(params))))
+  # Nonzero on "unused" too: a leaf whose tap never fires must still see the extra gradient.
+  extra = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+  plan = _two_pass.make_plan(tx, params, state)
+  got = _two_pass.value_and_update(plan, models.tied_lm_loss, False, params, state, batch, {},
+                                   extra)
+  loss, grads = jax.value_and_grad(models.tied_lm_loss)(params, *batch)
+  updates, new_state = tx.update(jax.tree.map(jnp.add, grads, extra), state, params)
+  # One step in float32: a few ulps apart at most.
+  chex.assert_trees_all_close(got, (loss, optax.apply_updates(params, updates), new_state),
+                              rtol=1e-6, atol=1e-6)
+  assert not np.allclose(got[1]["unused"], params["unused"])
+
+
+def test_two_pass_accumulation_holds_the_accumulator_not_a_second_gradient_tree():
+  layers, width = 16, 256
+  params = {f"w{i}": jax.ShapeDtypeStruct((width, width), jnp.float32) for i in range(layers)}
+
+  def loss(p, x):
+    for i in range(layers):
+      x = jnp.tanh(x @ p[f"w{i}"])
+    return jnp.mean(x ** 2)
+
+  temps = {}
+  for name, options, k in (("optax", dict(mode="off"), 4),
+                           ("two_pass", dict(mode="backward", global_ops="two_pass"), 4),
+                           ("single", dict(mode="backward", global_ops="two_pass"), 1)):
+    fx = optfuse.fuse(ACCUMULATE["clip_by_global_norm+adamw"](), **options)
+    state = jax.eval_shape(fx.init, params)
+    step = jax.jit(fx.value_and_update(loss, microbatches=k), donate_argnums=(0, 1))
+    batch = jax.ShapeDtypeStruct((k * 8, width), jnp.float32)
+    temps[name] = step.lower(params, state, batch).compile().memory_analysis().temp_size_in_bytes
+  grad_bytes, leaf_bytes = layers * width * width * 4, width * width * 4
+  # optax's loop holds the running sum and each microbatch's gradient.
+  assert temps["optax"] >= 2 * grad_bytes, temps
+  # Two-pass holds the running sum and what its single step holds: a few leaves' gradients.
+  assert temps["two_pass"] <= grad_bytes + temps["single"] + 2 * leaf_bytes, temps
+  assert temps["two_pass"] <= grad_bytes + 8 * leaf_bytes, temps

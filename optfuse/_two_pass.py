@@ -1,0 +1,207 @@
+"""Two-pass backward: global transforms (clipping, apply_if_finite) fused into the backward pass.
+
+``optfuse.fuse(tx, mode="backward", global_ops="two_pass")`` runs the forward pass once and its
+pullback twice. Each float leaf enters the loss through a tap (an identity with a
+``jax.custom_vjp``, as in ``_backward``):
+
+* in the first backward pass each tap's rule computes its leaf's *statistics* (its squared norm,
+  whether it is finite: ``_global.StatsPlan``) from the leaf's complete gradient and returns them
+  as the cotangent of a zero input, so only statistics leave the pass;
+* the *combine* step turns every leaf's statistics into the *cuts* (the clipping factor, the
+  all-finite flag) and the global state;
+* in the second backward pass, over the same forward residuals, each tap's rule runs its leaf's
+  group with the cuts and returns the new param and state leaves as cotangents.
+
+No gradient tree is ever materialised. With gradient accumulation (``microbatches=k``,
+``_accumulate.fused_step``) the step runs on the last microbatch with ``extra_grads``, the sum of
+the earlier microbatches' gradients: each rule adds it to its leaf's gradient before computing
+the statistics and again before the update, so the combine step and the groups see exactly the
+mean gradient optax's accumulation loop hands to ``tx.update``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optfuse import _backward, _global, _plan
+from optfuse._errors import NonSeparableError
+
+
+def make_plan(tx: optax.GradientTransformation, params,
+              state) -> _plan.UpdatePlan | _global.GlobalPlan:
+  """The plan of ``global_ops="two_pass"``: ``_plan.make_plan``'s where the transform is separable.
+
+  Args:
+    tx: any optax transformation.
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
+    state: ``tx.init(params)`` or a state of the same structure.
+
+  Returns:
+    An ``UpdatePlan`` for a separable transform (it needs no statistics and runs the one-pass
+    backward step), otherwise a ``GlobalPlan`` with per-leaf statistics.
+
+  Raises:
+    NonSeparableError: the global stage does not split into per-leaf statistics the backward pass
+      can carry (see ``_global.make_global_plan``).
+  """
+  try:
+    return _plan.make_plan(tx, params, state)
+  except NonSeparableError:
+    return _global.make_global_plan(tx, params, state, two_pass=True)
+
+
+def _carry(x):
+  """A statistic as a cotangent: bool statistics travel as exact 0.0/1.0 float32."""
+  return x.astype(jnp.float32) if jnp.result_type(x) == jnp.bool_ else x
+
+
+def _uncarry(x, aval: jax.ShapeDtypeStruct):
+  return x != 0 if aval.dtype == jnp.bool_ else x
+
+
+def _with_extra(grad, extra):
+  """The gradient optax sees: this pass's gradient plus the earlier microbatches' sum."""
+  return grad if extra is None else grad + extra.astype(grad.dtype)
+
+
+def _after(seed, cuts):
+  """``seed``, computed from ``cuts`` so that the second backward pass cannot start before them.
+
+  Without it XLA runs the two backward passes side by side (the second one's cotangents depend
+  on nothing the first computes) and keeps each weight gradient of the second pass alive until
+  the global statistics are known: optax's memory, not backward fusion's. An optimization barrier
+  alone does not order them: XLA sees through it to the constant seed. ``(bits | 1) != 0`` is
+  always true, whatever the cut's value (NaN included), so the seed is exactly itself.
+  """
+  cuts = [c for c in cuts if jnp.size(c)]
+  if not cuts:
+    return seed
+  first = jnp.ravel(cuts[0])[0].astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(first, jnp.int32)
+  return jnp.where((bits | 1) != 0, seed, jnp.zeros_like(seed))
+
+
+def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params, state,
+                     args: tuple, kwargs: dict, extra_grads=None) -> tuple[Any, Any, Any]:
+  """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
+
+  Args:
+    plan: a ``GlobalPlan`` built with ``two_pass=True`` (``make_plan``).
+    loss_fn: ``loss_fn(params, *args, **kwargs)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    params: the params tree.
+    state: the optax state.
+    args: positional arguments of ``loss_fn`` after params.
+    kwargs: keyword arguments of ``loss_fn``.
+    extra_grads: optional tree like params, added to each leaf's gradient before its statistics
+      and its update (the gradient accumulated over earlier microbatches); a leaf whose tap never
+      fires sees it alone.
+
+  Returns:
+    ``(value, params, state)`` where value is the loss, or ``(loss, aux)`` with ``has_aux``.
+  """
+  param_leaves = plan.params_def.flatten_up_to(params)
+  state_leaves = jax.tree.leaves(state)
+  extra = None if extra_grads is None else plan.params_def.flatten_up_to(extra_grads)
+  diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
+  # The pullback is traced once per pass; the tap rules read which pass this is from here.
+  now = {"pass": "stats", "cuts": ()}
+  fired: dict[str, set[int]] = {"stats": set(), "update": set()}
+
+  def slots_of(i):
+    return tuple(state_leaves[k] for k in plan.groups[i].state_outs)
+
+  def unfired_grad(i):
+    # A leaf the loss does not read (or a non-float one): optax sees a zero gradient plus the
+    # earlier microbatches' sum, which is zero for it too unless an earlier microbatch read it.
+    p = param_leaves[i]
+    return jnp.zeros_like(p) if extra is None else extra[i].astype(jnp.result_type(p))
+
+  def apply(i, grad, param, slots, cuts):
+    state_in, params_in = list(state_leaves), list(param_leaves)
+    for k, s in zip(plan.groups[i].state_outs, slots):
+      state_in[k] = s
+    params_in[i] = param
+    update, new_slots = plan.run_group(i, grad, state_in, params_in, cuts)
+    return optax.apply_updates(param, update), tuple(new_slots)
+
+  def make_tap(i):
+    @jax.custom_vjp
+    def tap(param, slots, stat_zeros, extra):
+      del slots, stat_zeros, extra
+      return param
+
+    def fwd(param, slots, stat_zeros, extra):
+      del stat_zeros
+      return param, (param, slots, extra)
+
+    def bwd(res, grad):
+      param, slots, extra = res
+      grad = _with_extra(grad, extra)
+      fired[now["pass"]].add(i)
+      if now["pass"] == "stats":
+        params_in = list(param_leaves)
+        params_in[i] = param
+        stats = plan.run_stats(i, grad, state_leaves, params_in)
+        return None, None, tuple(_carry(s) for s in stats), None
+      new_param, new_slots = apply(i, grad, param, slots, now["cuts"])
+      return new_param, new_slots, None, None
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+  taps = {i: make_tap(i) for i in diff}
+  stat_avals = plan.stats.stats if plan.stats is not None else ((),) * plan.num_params
+
+  def tapped_loss(diff_params, slots, stat_zeros):
+    leaves = list(param_leaves)
+    for i in diff:
+      leaves[i] = taps[i](diff_params[i], slots[i], stat_zeros[i],
+                          None if extra is None else extra[i])
+    value = loss_fn(jax.tree.unflatten(plan.params_def, leaves), *args, **kwargs)
+    return _backward.check_loss(value, has_aux)
+
+  stat_zeros = {i: tuple(jnp.zeros(a.shape, jnp.result_type(_carry(jnp.zeros((), a.dtype))))
+                         for a in stat_avals[i]) for i in diff}
+  slots = {i: slots_of(i) for i in diff}
+  loss, pullback, aux = jax.vjp(tapped_loss, {i: param_leaves[i] for i in diff}, slots,
+                                stat_zeros, has_aux=True)
+  seed = jnp.ones_like(loss)
+  cuts, global_state = [], []
+  if plan.stats is not None:
+    _, _, stat_cts = pullback(seed)
+    stats = []
+    for i in range(plan.num_params):
+      if i in fired["stats"]:
+        stats.append([_uncarry(x, a) for x, a in zip(stat_cts[i], stat_avals[i])])
+      else:
+        stats.append(plan.run_stats(i, unfired_grad(i), state_leaves, param_leaves))
+    cuts, global_state = plan.run_combine(stats, state_leaves, param_leaves)
+    seed = _after(seed, cuts)
+  now.update({"pass": "update", "cuts": cuts})
+  new_params, new_slots, _ = pullback(seed)
+
+  params_out, state_out = list(param_leaves), list(state_leaves)
+  for i, (p, group) in enumerate(zip(param_leaves, plan.groups)):
+    if i in fired["update"]:
+      params_out[i], group_slots = new_params[i], new_slots[i]
+    else:
+      new_p, group_slots = apply(i, unfired_grad(i), p, slots_of(i), cuts)
+      if _backward.is_float(p):
+        params_out[i] = new_p
+      else:  # not trained: optax's zero-gradient update would promote its int slots to float
+        group_slots = _backward.keep_int_state(group_slots, slots_of(i))
+    for k, s in zip(group.state_outs, group_slots):
+      state_out[k] = s
+  for k, s in zip(plan.global_outs, global_state):
+    state_out[k] = s
+  for k, s in zip(plan.shared_outs, plan.run_shared(state_leaves, param_leaves)):
+    state_out[k] = s
+  value = (loss, aux) if has_aux else loss
+  return (value, jax.tree.unflatten(plan.params_def, params_out),
+          jax.tree.unflatten(plan.state_def, state_out))
