@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import optfuse
@@ -143,3 +144,22 @@ def mlp_params_and_batches(seed: int = 0) -> tuple[dict, list[tuple[jax.Array, j
 
 def mlp_loss(params, x, y):
   return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+
+def stacked_params(layers: int = 4, dim: int = DIM) -> dict:
+  """Params of ``scanned_loss``: an embedding, ``layers`` stacked residual layers, a head."""
+  k = jax.random.split(jax.random.PRNGKey(3), 3)
+  return {
+      "embed": jax.random.normal(k[0], (VOCAB, dim)) / np.sqrt(dim),
+      "layers": {"w": jax.random.normal(k[1], (layers, dim, dim)) / np.sqrt(dim),
+                 "b": jnp.zeros((layers, dim))},
+      "head": jax.random.normal(k[2], (dim, VOCAB)) / np.sqrt(dim),
+  }
+
+
+def scanned_loss(params, tokens, targets):
+  """A residual MLP whose layers are stacked params consumed by ``lax.scan``."""
+  body = lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None)
+  h, _ = jax.lax.scan(body, params["embed"][tokens], params["layers"])
+  return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], targets).mean()
+

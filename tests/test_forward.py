@@ -96,30 +96,13 @@ def test_forward_fusion_with_microbatches_matches_optax_accumulation_over_50_ste
   chex.assert_trees_all_close(results[1], results[0], **TOL)
 
 
-def stacked_params(layers=4, dim=models.DIM):
-  k = jax.random.split(jax.random.PRNGKey(3), 3)
-  return {
-      "embed": jax.random.normal(k[0], (models.VOCAB, dim)) / np.sqrt(dim),
-      "layers": {"w": jax.random.normal(k[1], (layers, dim, dim)) / np.sqrt(dim),
-                 "b": jnp.zeros((layers, dim))},
-      "head": jax.random.normal(k[2], (dim, models.VOCAB)) / np.sqrt(dim),
-  }
-
-
-def scanned_loss(params, tokens, targets):
-  """A residual MLP whose layers are stacked params consumed by ``lax.scan``."""
-  body = lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None)
-  h, _ = jax.lax.scan(body, params["embed"][tokens], params["layers"])
-  return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], targets).mean()
-
-
 @pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw"])
 def test_forward_fusion_of_a_scanned_model_matches_optax_over_50_steps(name):
   # The 4 stacked layers are updated row by row (adamw: 2 + 2 slots rows at least).
   tx = OPTIMIZERS[name]()
-  params, batches = stacked_params(), models.tied_lm_batches()
-  expected = models.run_optax(tx, params, batches, STEPS, loss_fn=scanned_loss)
-  got = train(optfuse.fuse(tx, mode="forward"), params, batches, STEPS, loss_fn=scanned_loss)
+  params, batches = models.stacked_params(), models.tied_lm_batches()
+  expected = models.run_optax(tx, params, batches, STEPS, loss_fn=models.scanned_loss)
+  got = train(optfuse.fuse(tx, mode="forward"), params, batches, STEPS, loss_fn=models.scanned_loss)
   chex.assert_trees_all_close(got, expected, **TOL)
 
 
@@ -136,15 +119,15 @@ def _loops_in(jaxpr) -> int:
 @pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw"])
 def test_forward_fusion_updates_scanned_layers_inside_the_forward_loop(name):
   fx = optfuse.fuse(OPTIMIZERS[name](), mode="forward")
-  params, (tokens, targets) = stacked_params(), models.tied_lm_batches()[0]
-  assert optfuse.describe(fx, scanned_loss, params, tokens, targets) == {
+  params, (tokens, targets) = models.stacked_params(), models.tied_lm_batches()[0]
+  assert optfuse.describe(fx, models.scanned_loss, params, tokens, targets) == {
       "['embed']": "leaf", "['head']": "leaf", "['layers']['b']": "loop",
       "['layers']['w']": "loop"}
   # The update adds no loop of its own: the step has the forward scan and its backward loop, as
   # optax's step has.
-  fused = jax.make_jaxpr(fx.value_and_update(scanned_loss))(params, fx.init(params), tokens,
-                                                            targets)
-  optax_step = jax.make_jaxpr(jax.value_and_grad(scanned_loss))(params, tokens, targets)
+  step = fx.value_and_update(models.scanned_loss)
+  fused = jax.make_jaxpr(step)(params, fx.init(params), tokens, targets)
+  optax_step = jax.make_jaxpr(jax.value_and_grad(models.scanned_loss))(params, tokens, targets)
   assert _loops_in(fused.jaxpr) == _loops_in(optax_step.jaxpr) == 2
 
 
@@ -156,12 +139,12 @@ def reversed_remat_loss(params, tokens, targets):
 
 
 def scaled_scanned_loss(params, tokens, targets, scale):
-  return scanned_loss(params, tokens, targets) * scale
+  return models.scanned_loss(params, tokens, targets) * scale
 
 
 def test_in_loop_forward_fusion_of_a_reversed_rematerialised_scan_matches_optax():
   tx = OPTIMIZERS["clip_by_global_norm+adamw"]()
-  params, batches = stacked_params(), models.tied_lm_batches()
+  params, batches = models.stacked_params(), models.tied_lm_batches()
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=reversed_remat_loss)
   got = train(optfuse.fuse(tx, mode="forward"), params, batches, STEPS,
               loss_fn=reversed_remat_loss)
@@ -176,7 +159,7 @@ def test_in_loop_forward_fusion_skips_nan_steps_of_apply_if_finite_as_optax():
   nan_steps = {0, 4, 17, 18}
   batches = [(*batch, jnp.float32(np.nan if t in nan_steps else 1.0))
              for t, batch in enumerate(models.tied_lm_batches(30))]
-  params = stacked_params()
+  params = models.stacked_params()
   expected = models.run_optax(tx, params, batches, 30, loss_fn=scaled_scanned_loss)
   got = train(optfuse.fuse(tx, mode="forward"), params, batches, 30,
               loss_fn=scaled_scanned_loss)
@@ -186,22 +169,22 @@ def test_in_loop_forward_fusion_skips_nan_steps_of_apply_if_finite_as_optax():
 
 def test_in_loop_forward_fusion_without_jit_matches_optax():
   tx = OPTIMIZERS["adamw"]()
-  params, batches = stacked_params(), models.tied_lm_batches()
-  expected = models.run_optax(tx, params, batches, 3, loss_fn=scanned_loss, jit=False)
-  got = train(optfuse.fuse(tx, mode="forward"), params, batches, 3, loss_fn=scanned_loss,
+  params, batches = models.stacked_params(), models.tied_lm_batches()
+  expected = models.run_optax(tx, params, batches, 3, loss_fn=models.scanned_loss, jit=False)
+  got = train(optfuse.fuse(tx, mode="forward"), params, batches, 3, loss_fn=models.scanned_loss,
               jit=False)
   chex.assert_trees_all_close(got, expected, **TOL)
 
 
 def test_stacked_leaves_whose_update_mixes_rows_are_updated_whole_before_the_loop():
   tx = optax.lamb(1e-2)  # the trust ratio is a norm over the whole stacked leaf
-  params, batches = stacked_params(), models.tied_lm_batches()
+  params, batches = models.stacked_params(), models.tied_lm_batches()
   tokens, targets = batches[0]
-  placements = optfuse.describe(optfuse.fuse(tx, mode="forward"), scanned_loss, params, tokens,
-                                targets)
+  fx = optfuse.fuse(tx, mode="forward")
+  placements = optfuse.describe(fx, models.scanned_loss, params, tokens, targets)
   assert set(placements.values()) == {"leaf"}
-  expected = models.run_optax(tx, params, batches, 20, loss_fn=scanned_loss)
-  got = train(optfuse.fuse(tx, mode="forward"), params, batches, 20, loss_fn=scanned_loss)
+  expected = models.run_optax(tx, params, batches, 20, loss_fn=models.scanned_loss)
+  got = train(optfuse.fuse(tx, mode="forward"), params, batches, 20, loss_fn=models.scanned_loss)
   chex.assert_trees_all_close(got, expected, **TOL)
 
 
@@ -220,7 +203,7 @@ def test_forward_step_on_a_scanned_model_needs_about_optax_peak_memory(name):
             "layers": {"w": spec(layers, dim, dim), "b": spec(layers, dim)},
             "head": spec(dim, models.VOCAB)}
   tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
-  report = optfuse.memory_report(scanned_loss, OPTIMIZERS[name](), params, tokens, tokens)
+  report = optfuse.memory_report(models.scanned_loss, OPTIMIZERS[name](), params, tokens, tokens)
   layer_bytes = (dim * dim + dim) * 4
   assert report["forward"]["peak_bytes"] <= report["off"]["peak_bytes"] + 2.5 * layer_bytes
 

@@ -100,21 +100,12 @@ def test_two_pass_plan_statistics_are_scalars_for_clipping():
   assert all([s.shape for s in leaf_stats] == [()] for leaf_stats in plan.stats.stats)
 
 
-def stacked_params(layers=3, dim=models.DIM):
-  k = jax.random.split(jax.random.PRNGKey(3), 3)
-  return {
-      "embed": jax.random.normal(k[0], (models.VOCAB, dim)) / np.sqrt(dim),
-      "layers": {"w": jax.random.normal(k[1], (layers, dim, dim)) / np.sqrt(dim),
-                 "b": jnp.zeros((layers, dim))},
-      "head": jax.random.normal(k[2], (dim, models.VOCAB)) / np.sqrt(dim),
-  }
+def stacked_params():
+  return models.stacked_params(layers=3)
 
 
 def scanned_loss(params, tokens, targets, scale):
-  body = lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None)
-  h, _ = jax.lax.scan(body, params["embed"][tokens], params["layers"])
-  logits = h @ params["head"]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean() * scale
+  return models.scanned_loss(params, tokens, targets) * scale
 
 
 def test_two_pass_of_a_scanned_model_matches_optax():
