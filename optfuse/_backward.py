@@ -83,6 +83,13 @@ class LeafUpdater:
     self.fired: set[int] = set()
     self.pre_updates: dict[int, _loops.PreUpdate] = dict(pre_updates or {})
     self.pre_results: dict[int, tuple] = {}
+    self.stage = "update"  # one backward pass, which updates (see ``_two_pass`` for two)
+    self.stat_inputs: dict[int, tuple] = {}
+
+  def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int):
+    """Row ``index`` of leaf ``i``'s ``(update, new_slots)``, inside a backward loop."""
+    return _loops.row_update(self.plan, i, grad_row, param_row, slot_rows, readonly, index,
+                             length)
 
   def slots(self, i: int) -> tuple:
     return tuple(self.state[k] for k in self.plan.groups[i].state_outs)

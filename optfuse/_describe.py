@@ -7,7 +7,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from optfuse import _backward, _forward, _global, _loops, _plan
+from optfuse import _backward, _forward, _global, _loops, _plan, _two_pass
 
 
 def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
@@ -30,7 +30,7 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
     ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged).
 
   Raises:
-    NonSeparableError: ``tx`` cannot run in backward mode.
+    NonSeparableError: ``tx`` cannot run in backward mode (without ``global_ops="two_pass"``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -43,9 +43,9 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
   """
   from optfuse._fuse import FusedTransformation  # the API module imports this one
 
-  mode = "backward"
+  mode, global_ops = "backward", None
   if isinstance(tx, FusedTransformation):
-    mode, tx = tx.mode, tx.tx
+    mode, tx, global_ops = tx.mode, tx.tx, tx.global_ops
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   params = jax.tree.map(spec, params)
   args, kwargs = jax.tree.map(spec, (args, kwargs))
@@ -66,10 +66,16 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
       return {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
   else:
     state = jax.eval_shape(tx.init, params)
-    plan = _plan.make_plan(tx, params, state)
+    plan = (_two_pass.make_plan if global_ops == "two_pass" else _plan.make_plan)(tx, params,
+                                                                                  state)
 
     def analyze(p, s, a, kw):
-      fused = _loops.analyze(loss_fn, plan, p, jax.tree.leaves(s), a, kw, diff).fused_leaves
+      s = jax.tree.leaves(s)
+      fusible = None
+      if isinstance(plan, _global.GlobalPlan):  # two-pass: as _two_pass.value_and_update
+        fusible = lambda leaf, length: plan.rowwise(leaf, s, plan.params_def.flatten_up_to(p),
+                                                    stats=True)
+      fused = _loops.analyze(loss_fn, plan, p, s, a, kw, diff, fusible=fusible).fused_leaves
       return dict.fromkeys(fused, "loop")
 
   jax.eval_shape(lambda *xs: found.append(analyze(*xs)), params, state, args, kwargs)

@@ -159,49 +159,6 @@ def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
   return new_params, new_state, cuts
 
 
-def _row_args(plan: _global.GlobalPlan, i: int, grads, state, params, cuts, rows):
-  """The inputs of leaf ``i``'s update jaxpr and which are rows; ``rows`` = ``(grad, param,
-  slots)`` of one row replace the leaf's gradient, param and state slots."""
-  group, n = plan.groups[i], plan.num_params
-  grad_row, param_row, slot_rows = rows
-  g, st, pr = [None] * n, list(state), list(params)
-  g[i], pr[i] = grad_row, param_row
-  for k, s in zip(group.state_outs, slot_rows):
-    st[k] = s
-  flat = [*plan.consts, *g, *st, *pr, *cuts]
-  is_row = ([False] * len(plan.consts) + [j == i for j in range(n)]
-            + [k in group.state_outs for k in range(plan.num_state)]
-            + [j == i for j in range(n)] + [False] * len(cuts))
-  used = list(zip(flat, is_row, group.reads, strict=True))
-  return [x for x, _, r in used if r], [row for _, row, r in used if r]
-
-
-def _rowwise(plan: _global.GlobalPlan, i: int, grads, state, params) -> bool:
-  """Whether leaf ``i`` is stacked (``(L, ...)`` with its state slots) and its update computes
-  row ``l`` from row ``l`` of its gradient, param and slots only.
-
-  Below ``2 + slots`` rows the rows in flight cost more than the whole update, as for the
-  backward loops (``_loops.min_loop_length``).
-  """
-  group, p = plan.groups[i], params[i]
-  length = jnp.shape(p)[0] if jnp.ndim(p) else 0
-  if length < 2 + len(group.state_outs) or jnp.shape(grads[i]) != jnp.shape(p) or any(
-      jnp.shape(state[k])[:1] != (length,) for k in group.state_outs):
-    return False
-  row = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x))
-  rows = (row(grads[i]), row(p), [row(state[k]) for k in group.state_outs])
-
-  def run(rows, cuts):
-    args, is_row = _row_args(plan, i, grads, state, params, cuts, rows)
-    return _rows.evaluate_rows(group.jaxpr, (), args, is_row, 0, length)
-
-  try:
-    jax.eval_shape(run, rows, list(plan.cuts))
-  except _rows.NotRowwise:
-    return False
-  return True
-
-
 def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts
                  ) -> tuple[Any, list]:
   """Leaf ``i``'s new param and state slots, one row per iteration, written in place.
@@ -219,9 +176,8 @@ def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts
   def body(index, carry):
     param, slots, (param_row, slot_rows) = carry
     grad_row = lax.dynamic_index_in_dim(grads[i], index, 0, keepdims=False)
-    args, is_row = _row_args(plan, i, grads, state, params, cuts,
-                             (grad_row, param_row, slot_rows))
-    update, *new_slots = _rows.evaluate_rows(group.jaxpr, (), args, is_row, index, length)
+    update, new_slots = plan.run_group_row(i, state, params, cuts,
+                                           (grad_row, param_row, slot_rows), index, length)
     put = lambda buf, r: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype), index, 0)
     param = put(param, optax.apply_updates(param_row, update))
     slots = [put(s, r) for s, r in zip(slots, new_slots)]
@@ -343,10 +299,11 @@ def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: Forwar
   capture_plan = _plan.make_plan(_capture(), params, pending)
   diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
   loop_plan = _loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs, diff)
-  rowwise = lambda i: _rowwise(plan, i, grad_leaves, state_leaves, param_leaves)
-  in_loop = frozenset(i for i in loop_plan.fused_leaves if rowwise(i))
+  in_loop = frozenset(i for i in loop_plan.fused_leaves
+                      if plan.rowwise(i, state_leaves, param_leaves))
   stacked = _scanned_leaves(plan, loss_fn, params, args, kwargs)
-  rows = frozenset(i for i in stacked - in_loop if i in diff and rowwise(i))
+  rows = frozenset(i for i in stacked - in_loop
+                   if i in diff and plan.rowwise(i, state_leaves, param_leaves))
   return Placement(capture_plan, loop_plan, in_loop, rows)
 
 
@@ -360,7 +317,7 @@ def _pre_update(plan: _global.GlobalPlan, i: int, grads: list, state: list, para
   group, length = plan.groups[i], jnp.shape(params[i])[0]
   grad_at, param_at = object(), object()
   slots_at = [object() for _ in group.state_outs]
-  args, is_row = _row_args(plan, i, grads, state, params, cuts, (grad_at, param_at, slots_at))
+  args, is_row = plan.row_inputs(i, state, params, cuts, (grad_at, param_at, slots_at))
   places = {id(x): pos for pos, x in enumerate(args)}
   operands = ([None if r else a for a, r in zip(args, is_row)], has_pending)
 

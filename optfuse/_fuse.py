@@ -34,6 +34,7 @@ class FusedTransformation(NamedTuple):
       identity in the other modes.
     mode: "backward", "forward" or "off".
     tx: the wrapped optax transformation.
+    global_ops: ``None`` or ``"two_pass"``, as passed to ``optfuse.fuse``.
   """
 
   init: Callable[[Any], Any]
@@ -41,6 +42,7 @@ class FusedTransformation(NamedTuple):
   flush: Callable[[Any, Any], tuple[Any, Any]]
   mode: str
   tx: optax.GradientTransformation
+  global_ops: str | None = None
 
 
 def _abstract(tree):
@@ -246,7 +248,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   def flush(params, state):
     return params, state
 
-  return FusedTransformation(init, value_and_update, flush, mode, tx)
+  return FusedTransformation(init, value_and_update, flush, mode, tx, global_ops)
 
 
 def check_separable(tx: optax.GradientTransformation, params) -> None:

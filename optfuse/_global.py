@@ -34,7 +34,7 @@ import optax
 from jax.extend import core as jcore
 from jax.extend.core import primitives
 
-from optfuse import _backward, _jaxpr, _plan
+from optfuse import _backward, _jaxpr, _plan, _rows
 from optfuse._errors import NonSeparableError
 
 Deps = frozenset
@@ -126,6 +126,79 @@ class GlobalPlan(NamedTuple):
     group = self.groups[i]
     out = self._eval(group.jaxpr, group.reads, grads, state, params, cuts)
     return out[0], list(out[1:])
+
+  def row_inputs(self, i: int, state, params, cuts, rows) -> tuple[list, list[bool]]:
+    """The inputs leaf ``i``'s group jaxpr reads, and which of them are rows.
+
+    ``rows`` = ``(grad, param, slots)``: one row of the leaf's gradient, param and state slots,
+    in place of the whole leaves; the other inputs are ``state``, ``params`` and ``cuts``.
+    """
+    group, n = self.groups[i], self.num_params
+    grad_row, param_row, slot_rows = rows
+    g, st, pr = [None] * n, list(state), list(params)
+    g[i], pr[i] = grad_row, param_row
+    for k, s in zip(group.state_outs, slot_rows):
+      st[k] = s
+    flat = [*self.consts, *g, *st, *pr, *cuts]
+    is_row = ([False] * len(self.consts) + [j == i for j in range(n)]
+              + [k in group.state_outs for k in range(self.num_state)]
+              + [j == i for j in range(n)] + [False] * len(cuts))
+    used = list(zip(flat, is_row, group.reads, strict=True))
+    return [x for x, _, r in used if r], [row for _, row, r in used if r]
+
+  def run_group_row(self, i: int, state, params, cuts, rows, index, length: int
+                    ) -> tuple[Any, list[Any]]:
+    """Row ``index`` of ``run_group``'s ``(update, new_slots)`` from rows of leaf ``i``.
+
+    Raises:
+      NotRowwise: the update combines rows of the stacked leaf.
+    """
+    args, is_row = self.row_inputs(i, state, params, cuts, rows)
+    out = _rows.evaluate_rows(self.groups[i].jaxpr, (), args, is_row, index, length)
+    return out[0], list(out[1:])
+
+  def rowwise(self, i: int, state, params, stats: bool = False) -> bool:
+    """Whether leaf ``i`` is stacked (``(L, ...)`` with its state slots) and its update computes
+    row ``l`` from row ``l`` of its gradient, param and slots only (with ``stats``: and its
+    statistics are reductions whose rows combine, see ``run_stats_row``).
+
+    Below ``2 + slots`` rows the rows in flight cost more than the whole update, as for the
+    backward loops (``_loops.min_loop_length``).
+    """
+    group, p = self.groups[i], params[i]
+    length = jnp.shape(p)[0] if jnp.ndim(p) else 0
+    if length < 2 + len(group.state_outs) or any(
+        jnp.shape(state[k])[:1] != (length,) for k in group.state_outs):
+      return False
+    row = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x))
+    rows = (row(p), row(p), [row(state[k]) for k in group.state_outs])
+    try:
+      jax.eval_shape(lambda rows, cuts: self.run_group_row(i, state, params, cuts, rows, 0,
+                                                           length), rows, list(self.cuts))
+      if stats and self.stats is not None:
+        jax.eval_shape(lambda g: [v for v, _ in self.run_stats_row(i, g, state, params, 0,
+                                                                   length)], row(p))
+    except _rows.NotRowwise:
+      return False
+    return True
+
+  def run_stats_row(self, i: int, grad_row, state, params, index, length: int
+                    ) -> list[tuple[Any, str]]:
+    """Leaf ``i``'s statistics as ``(partial, reduction)`` pairs from one row of its gradient:
+    combining the partials of every row with the reduction gives ``run_stats``.
+
+    Raises:
+      NotRowwise: a statistic is not a reduction over the whole stacked leaf.
+    """
+    n = self.num_params
+    grads = [None] * n
+    grads[i] = grad_row
+    flat = [*self.consts, *grads, *state, *params]
+    is_row = [False] * len(self.consts) + [j == i for j in range(n)] + [False] * (
+        self.num_state + n)
+    used = list(zip(flat, is_row, self.stats.stat_reads[i], strict=True))
+    args, rows = [x for x, _, r in used if r], [row for _, row, r in used if r]
+    return _rows.evaluate_row_reductions(self.stats.stat_jaxprs[i], args, rows, index, length)
 
   def run_stats(self, i: int, grad, state, params) -> list[Any]:
     """Leaf ``i``'s statistics from its gradient (a plan built with ``two_pass=True``)."""

@@ -226,7 +226,8 @@ def _contains(jaxpr: jcore.Jaxpr, sites: dict) -> bool:
   return False
 
 
-def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff) -> LoopPlan:
+def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff,
+            fusible=None) -> LoopPlan:
   """Finds the scans of ``loss_fn`` whose stacked params can be updated inside the loop.
 
   Args:
@@ -237,6 +238,9 @@ def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff)
     args: positional arguments of the loss after params.
     kwargs: keyword arguments of the loss.
     diff: indices of the float (differentiable) param leaves.
+    fusible: ``fusible(leaf, length) -> bool``, whether a leaf scanned by a loop of ``length``
+      iterations is updated inside it; by default, when the loop is long enough for the rows in
+      flight to pay and ``plan``'s update of the leaf never mixes rows.
 
   Returns:
     A ``LoopPlan``; with no fusible scan it calls ``loss_fn`` directly.
@@ -247,9 +251,11 @@ def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff)
   diff = set(diff)
   param_of = {v: i for i, v in enumerate(jaxpr.invars[:len(param_leaves)]) if i in diff}
 
-  def fusible(leaf, length):
+  def default_fusible(leaf, length):
     return (length >= min_loop_length(plan, leaf)
             and row_fusible(plan, leaf, state_leaves, param_leaves, length))
+
+  fusible = fusible or default_fusible
 
   sites = _find_sites(jaxpr, param_of, fusible)
   if not sites:
@@ -322,7 +328,6 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
   prm = eqn.params
   nc, nk, length, reverse = prm["num_consts"], prm["num_carry"], prm["length"], prm["reverse"]
   body = prm["jaxpr"]
-  plan = updater.plan
   consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
   is_param_x = [pos in site.positions for pos in range(len(xs_in))]
   pstacks = tuple(xs_in[pos] for pos in site.positions)
@@ -330,6 +335,7 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
   leaf_slots = tuple(slots[leaf] for leaf in site.leaves)
   readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
   extras = tuple(None if updater.extra is None else updater.extra[leaf] for leaf in site.leaves)
+  stat_in = tuple(updater.stat_inputs.get(leaf, ()) for leaf in site.leaves)
   pre = tuple(updater.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
   has_pre = any(u is not None for u in pre)
@@ -438,8 +444,8 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
     return carry_out, ys, saved, carries, new_pstacks, pre_out
 
   @jax.custom_vjp
-  def fscan(pstacks, leaf_slots, readonly, extras, pre_in, consts, carry, xs_other):
-    del leaf_slots, readonly, extras
+  def fscan(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
+    del leaf_slots, readonly, extras, stat_in
     if has_pre:
       carry_out, ys, _, _, _, pre_out = pre_loop(pstacks, pre_in, consts, carry, xs_other,
                                                  False)
@@ -447,7 +453,7 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
     xs = xs_slices(pstacks, xs_other)
     return tuple(eqn.primitive.bind(*consts, *carry, *xs, **prm)), tuple(None for _ in pre)
 
-  def fwd(pstacks, leaf_slots, readonly, extras, pre_in, consts, carry, xs_other):
+  def fwd(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
     xs = xs_slices(pstacks, xs_other)
     row0 = [lax.dynamic_index_in_dim(x, 0, 0, keepdims=False) for x in xs]
     jax.eval_shape(probe, list(consts), list(carry), row0)
@@ -466,12 +472,15 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
       carry_out, (ys, saved, carries) = lax.scan(save_body, list(carry), xs, length=length,
                                                  reverse=reverse, unroll=prm["unroll"])
       pre_out = tuple(None for _ in pre)
-    res = (pstacks, leaf_slots, readonly, extras, consts, carries, saved, xs_other)
+    res = (pstacks, leaf_slots, readonly, extras, stat_in, consts, carries, saved, xs_other)
     return ((*carry_out, *ys), pre_out), res
 
   def bwd(res, cts):
-    pstacks, leaf_slots, readonly, extras, consts, carries, saved, xs_other = res
+    pstacks, leaf_slots, readonly, extras, stat_in, consts, carries, saved, xs_other = res
     residuals = info[-1]
+    # Two-pass backward (``_two_pass``) runs this rule twice: first to reduce each leaf's
+    # gradient rows to its statistics (nothing written), then to update the rows.
+    stats_stage = updater.stage == "stats"
     for leaf in site.leaves:
       updater.fired.add(leaf)
     cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
@@ -489,7 +498,7 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
               [[row_at(s, index) for s in slots] for slots in state_stacks])
 
     def iteration(k, state):
-      ct_c, ct_consts, stacks, state_stacks, ct_xo, (p_rows, slot_rows) = state
+      ct_c, ct_consts, stacks, state_stacks, ct_xo, (p_rows, slot_rows), accs = state
       index = index_of(k)
       row = lambda x: row_at(x, index)
       c_row = [row(c) for c in carries] if residuals.needs_carry else [None] * nk
@@ -501,14 +510,19 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
       pullback = jax.tree.unflatten(residuals.treedef, leaves)
       ct_y_row = [row(y) for y, f in zip(ct_ys, fout[nk:]) if f]
       g_consts, g_carry, g_params, g_xo = pullback([*_split(ct_c, fk)[0], *ct_y_row])
-      new_stacks, new_state_stacks = list(stacks), list(state_stacks)
+      new_stacks, new_state_stacks, accs = list(stacks), list(state_stacks), list(accs)
       write = lambda buf, r: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype), index, 0)
       for j, leaf in enumerate(site.leaves):
         g = g_params[j]
         if extras[j] is not None:
           g = g + row(extras[j]).astype(g.dtype)
-        update, new_slots = row_update(plan, leaf, g, p_rows[j], slot_rows[j], readonly[j],
-                                       index, length)
+        if stats_stage:
+          partials = updater.row_stats(leaf, g, index, length)
+          accs[j] = tuple(_rows.ROW_COMBINE[r](a, v.astype(a.dtype))
+                          for a, (v, r) in zip(accs[j], partials))
+          continue
+        update, new_slots = updater.row_update(leaf, g, p_rows[j], slot_rows[j], readonly[j],
+                                               index, length)
         if updater.update_params:
           new_stacks[j] = write(stacks[j], (p_rows[j] + update).astype(p_rows[j].dtype))
         new_state_stacks[j] = tuple(write(s, r) for s, r in zip(state_stacks[j], new_slots))
@@ -520,23 +534,48 @@ def _fused_scan(eqn: jcore.JaxprEqn, site: _Site, updater, slots: dict, ins: lis
       # copies no buffer (reads of old rows unordered with the writes make it copy them all).
       next_index = index_of(jnp.minimum(k + 1, length - 1))
       prefetched = fetch(new_stacks, new_state_stacks, next_index)
-      return (ct_c, ct_consts, tuple(new_stacks), tuple(new_state_stacks), ct_xo, prefetched)
+      return (ct_c, ct_consts, tuple(new_stacks), tuple(new_state_stacks), ct_xo, prefetched,
+              tuple(accs))
 
     init = (_merge(_split(ct_carry, fk)[0], [None] * (nk - sum(fk)), fk),
             [jnp.zeros_like(c) for c in float_consts], tuple(pstacks),
             tuple(tuple(s) for s in leaf_slots),
             [jnp.zeros_like(x) for x in _split(xs_other, fxo)[0]],
-            fetch(pstacks, leaf_slots, index_of(0)))
-    ct_c, ct_consts, stacks, state_stacks, ct_xo, _ = lax.fori_loop(0, length, iteration, init)
+            fetch(pstacks, leaf_slots, index_of(0)),
+            tuple(_stat_identities(updater, leaf, pstacks[j], length) if stats_stage else ()
+                  for j, leaf in enumerate(site.leaves)))
+    ct_c, ct_consts, stacks, state_stacks, ct_xo, _, accs = lax.fori_loop(0, length, iteration,
+                                                                          init)
     ct_consts_full = _merge(ct_consts, [None] * (nc - sum(fc)), fc)
     ct_xo_full = _merge(ct_xo, [None] * (len(xs_other) - sum(fxo)), fxo)
-    return (tuple(stacks), tuple(state_stacks), None, None, None, ct_consts_full, ct_c,
+    if stats_stage:  # the statistics leave as the cotangents of their zero inputs
+      ct_stats = tuple(tuple(a.astype(z.dtype) for a, z in zip(acc, zeros))
+                       for acc, zeros in zip(accs, stat_in))
+      return (None, None, None, None, None, ct_stats, ct_consts_full, ct_c, ct_xo_full)
+    return (tuple(stacks), tuple(state_stacks), None, None, None, None, ct_consts_full, ct_c,
             ct_xo_full)
 
   fscan.defvjp(fwd, bwd)
-  outs, pre_out = fscan(pstacks, leaf_slots, readonly, extras, pre_in, consts_in, carry_in,
-                        xs_other)
+  outs, pre_out = fscan(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts_in,
+                        carry_in, xs_other)
   for leaf, updated in zip(site.leaves, pre_out):
     if updated is not None:
       updater.pre_results[leaf] = updated
   return list(outs)
+
+
+def _stat_identities(updater, leaf: int, stack, length: int) -> tuple:
+  """The value of each statistic of ``leaf`` over no rows: where the backward loop starts
+  combining the rows' partial statistics."""
+  found: list = []
+  row = jax.ShapeDtypeStruct(jnp.shape(stack)[1:], jnp.result_type(stack))
+  jax.eval_shape(lambda g: found.append(updater.row_stats(leaf, g, 0, length)) or 0, row)
+
+  def identity(partial, reduction):
+    dtype, shape = partial.dtype, partial.shape
+    if reduction in ("reduce_max", "reduce_min"):
+      big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+      return jnp.full(shape, -big if reduction == "reduce_max" else big, dtype)
+    return jnp.full(shape, reduction == "reduce_and", dtype)
+
+  return tuple(identity(p, r) for p, r in found[0])

@@ -136,6 +136,50 @@ def _row_params(eqn: jcore.JaxprEqn, rows: Sequence[bool], length: int) -> dict:
   raise NotRowwise(f"{name} has no row rule")
 
 
+class _Partial:
+  """A reduction over the stacked axis, known as its value on one row: combining the values of
+  every row with ``reduction`` gives the whole value."""
+
+  __slots__ = ("value", "reduction")
+
+  def __init__(self, value, reduction: str):
+    self.value = value
+    self.reduction = reduction
+
+
+# Reductions whose value over all rows is the same reduction of their values on each row.
+ROW_COMBINE = {
+    "reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.min,
+    "reduce_and": lax.bitwise_and, "reduce_or": lax.bitwise_or,
+}
+
+
+def evaluate_row_reductions(jaxpr: jcore.Jaxpr, args: Sequence[Any], is_row: Sequence[bool],
+                            index, length: int) -> list[tuple[Any, str]]:
+  """Evaluates ``jaxpr``, whose outputs are reductions over whole stacked leaves, on one row.
+
+  Args:
+    jaxpr: an open jaxpr without constants, traced on full stacked shapes, each of whose
+      outputs is a ``reduce_sum``/``max``/``min``/``and``/``or`` over axes that include the
+      stacked axis (a leaf's squared norm, whether it is finite).
+    args: its inputs; row inputs are row slices, others full values (``None`` if unread).
+    is_row: which inputs are rows.
+    index: the row index.
+    length: the number of rows.
+
+  Returns:
+    Per output, ``(partial, reduction)``: its value on this row and the name of the reduction
+    that combines the rows' values (a key of ``ROW_COMBINE``).
+
+  Raises:
+    NotRowwise: an output is not such a reduction, or a reduced value is used further.
+  """
+  outs = _evaluate(jaxpr, (), args, is_row, index, length, partial=True)
+  if not all(isinstance(o, _Partial) for o in outs):
+    raise NotRowwise("a statistic that is not a reduction over the stacked axis")
+  return [(o.value, o.reduction) for o in outs]
+
+
 def evaluate_rows(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
                   is_row: Sequence[bool], index, length: int, *, tagged: bool = False) -> list[Any]:
   """Evaluates ``jaxpr`` where the inputs flagged in ``is_row`` are given as row ``index``.
@@ -156,6 +200,16 @@ def evaluate_rows(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
   Raises:
     NotRowwise: some equation combines different rows.
   """
+  outs = _evaluate(jaxpr, consts, args, is_row, index, length, partial=False)
+  if tagged:
+    return outs
+  return [_take_row(o, index, length) for o in outs]
+
+
+def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+              is_row: Sequence[bool], index, length: int, partial: bool) -> list[Any]:
+  """The outputs of ``jaxpr`` as they are internally: ``_Row``, ``_Partial`` (with
+  ``partial``: a reduction over the stacked axis) or full values."""
   env: dict = {}
 
   def read(v):
@@ -168,6 +222,15 @@ def evaluate_rows(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
     rows = [isinstance(x, _Row) for x in ins]
+    name = eqn.primitive.name
+    if any(isinstance(x, _Partial) for x in ins):
+      raise NotRowwise(f"{name} of a reduction over the stacked axis")
+    if partial and name in ROW_COMBINE and rows[0] and 0 in eqn.params["axes"]:
+      params = dict(eqn.params, axes=tuple(a - 1 for a in eqn.params["axes"] if a))
+      if params.get("out_sharding") is not None:
+        params["out_sharding"] = None
+      env[eqn.outvars[0]] = _Partial(eqn.primitive.bind(ins[0].value, **params), name)
+      continue
     if not any(rows):
       outs = eqn.primitive.bind(*ins, **eqn.params)
       outs = outs if eqn.primitive.multiple_results else [outs]
@@ -176,7 +239,7 @@ def evaluate_rows(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
       if inner is not None:
         inner_consts = getattr(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")), "consts", ())
         vals = [x.value if isinstance(x, _Row) else x for x in ins]
-        outs = evaluate_rows(inner, inner_consts, vals, rows, index, length, tagged=True)
+        outs = _evaluate(inner, inner_consts, vals, rows, index, length, partial)
       else:
         params = _row_params(eqn, rows, length)
         if eqn.primitive.name in _ELEMENTWISE or eqn.primitive.name in ("concatenate",):
@@ -187,6 +250,4 @@ def evaluate_rows(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
         outs = [_Row(o) for o in (outs if eqn.primitive.multiple_results else [outs])]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
-  if tagged:
-    return [read(v) for v in jaxpr.outvars]
-  return [_take_row(read(v), index, length) for v in jaxpr.outvars]
+  return [read(v) for v in jaxpr.outvars]

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _backward, _global, _plan
+from optfuse import _backward, _global, _loops, _plan
 from optfuse._errors import NonSeparableError
 
 
@@ -62,6 +62,44 @@ def _carry(x):
 
 def _uncarry(x, aval: jax.ShapeDtypeStruct):
   return x != 0 if aval.dtype == jnp.bool_ else x
+
+
+class _Updater:
+  """What the backward loops of fused scans (``_loops._fused_scan``) ask of a two-pass step.
+
+  ``stage`` is ``"stats"`` during the first backward pass (each row of a scanned leaf's gradient
+  is reduced into the leaf's statistics) and ``"update"`` during the second (each row is updated
+  with ``cuts``, the combined statistics).
+  """
+
+  def __init__(self, plan: _global.GlobalPlan, state_leaves: list, param_leaves: list,
+               extra: list | None):
+    self.plan = plan
+    self.state = state_leaves
+    self.params = param_leaves
+    self.extra = extra
+    self.update_params = True
+    self.pre_updates: dict = {}
+    self.pre_results: dict = {}
+    self.stat_inputs: dict = {}
+    self.stage = "stats"
+    self.cuts: list = []
+    self.fired_in: dict[str, set[int]] = {"stats": set(), "update": set()}
+
+  @property
+  def fired(self) -> set[int]:
+    return self.fired_in[self.stage]
+
+  def readonly(self, i: int) -> None:
+    del i  # the rows read the whole state and params from here, not from the loop's inputs
+
+  def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int):
+    del readonly
+    return self.plan.run_group_row(i, self.state, self.params, self.cuts,
+                                   (grad_row, param_row, slot_rows), index, length)
+
+  def row_stats(self, i: int, grad_row, index, length: int):
+    return self.plan.run_stats_row(i, grad_row, self.state, self.params, index, length)
 
 
 def _with_extra(grad, extra):
@@ -109,9 +147,13 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   state_leaves = jax.tree.leaves(state)
   extra = None if extra_grads is None else plan.params_def.flatten_up_to(extra_grads)
   diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
-  # The pullback is traced once per pass; the tap rules read which pass this is from here.
-  now = {"pass": "stats", "cuts": ()}
-  fired: dict[str, set[int]] = {"stats": set(), "update": set()}
+  updater = _Updater(plan, state_leaves, param_leaves, extra)
+  # A scanned leaf is updated inside the backward loop when its rows can be reduced to its
+  # statistics one at a time and updated one at a time; otherwise it gets a tap.
+  fusible = lambda leaf, length: plan.rowwise(leaf, state_leaves, param_leaves, stats=True)
+  loop_plan = _loops.analyze(loss_fn, plan, params, state_leaves, args, kwargs, diff,
+                             fusible=fusible)
+  tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
 
   def slots_of(i):
     return tuple(state_leaves[k] for k in plan.groups[i].state_outs)
@@ -143,27 +185,30 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
     def bwd(res, grad):
       param, slots, extra = res
       grad = _with_extra(grad, extra)
-      fired[now["pass"]].add(i)
-      if now["pass"] == "stats":
+      updater.fired.add(i)
+      if updater.stage == "stats":
         params_in = list(param_leaves)
         params_in[i] = param
         stats = plan.run_stats(i, grad, state_leaves, params_in)
         return None, None, tuple(_carry(s) for s in stats), None
-      new_param, new_slots = apply(i, grad, param, slots, now["cuts"])
+      new_param, new_slots = apply(i, grad, param, slots, updater.cuts)
       return new_param, new_slots, None, None
 
     tap.defvjp(fwd, bwd)
     return tap
 
-  taps = {i: make_tap(i) for i in diff}
+  taps = {i: make_tap(i) for i in tapped_leaves}
   stat_avals = plan.stats.stats if plan.stats is not None else ((),) * plan.num_params
 
   def tapped_loss(diff_params, slots, stat_zeros):
     leaves = list(param_leaves)
-    for i in diff:
+    for i in tapped_leaves:
       leaves[i] = taps[i](diff_params[i], slots[i], stat_zeros[i],
                           None if extra is None else extra[i])
-    value = loss_fn(jax.tree.unflatten(plan.params_def, leaves), *args, **kwargs)
+    for i in loop_plan.fused_leaves:
+      leaves[i] = diff_params[i]
+    updater.stat_inputs = stat_zeros
+    value = loop_plan.call(updater, leaves, slots, args, kwargs)
     return _backward.check_loss(value, has_aux)
 
   stat_zeros = {i: tuple(jnp.zeros(a.shape, jnp.result_type(_carry(jnp.zeros((), a.dtype))))
@@ -177,18 +222,19 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
     _, _, stat_cts = pullback(seed)
     stats = []
     for i in range(plan.num_params):
-      if i in fired["stats"]:
+      if i in updater.fired_in["stats"]:
         stats.append([_uncarry(x, a) for x, a in zip(stat_cts[i], stat_avals[i])])
       else:
         stats.append(plan.run_stats(i, unfired_grad(i), state_leaves, param_leaves))
     cuts, global_state = plan.run_combine(stats, state_leaves, param_leaves)
     seed = _after(seed, cuts)
-  now.update({"pass": "update", "cuts": cuts})
+  updater.stage, updater.cuts = "update", cuts
   new_params, new_slots, _ = pullback(seed)
+  fired = updater.fired_in["update"]
 
   params_out, state_out = list(param_leaves), list(state_leaves)
   for i, (p, group) in enumerate(zip(param_leaves, plan.groups)):
-    if i in fired["update"]:
+    if i in fired:
       params_out[i], group_slots = new_params[i], new_slots[i]
     else:
       new_p, group_slots = apply(i, unfired_grad(i), p, slots_of(i), cuts)

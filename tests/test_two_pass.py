@@ -101,25 +101,73 @@ def test_two_pass_plan_statistics_are_scalars_for_clipping():
 
 
 def stacked_params():
-  return models.stacked_params(layers=3)
+  # Four layers: long enough for AdamW's rows in flight to pay (2 + 2 slots), so the stacked
+  # leaves are updated inside the backward loop.
+  return models.stacked_params(layers=4)
 
 
 def scanned_loss(params, tokens, targets, scale):
   return models.scanned_loss(params, tokens, targets) * scale
 
 
-def test_two_pass_of_a_scanned_model_matches_optax():
+def test_two_pass_updates_scanned_layers_inside_the_backward_loop():
+  fx = optfuse.fuse(GLOBAL["clip_by_global_norm+adamw"](), mode="backward", global_ops="two_pass")
+  tokens, targets = models.tied_lm_batches()[0]
+  assert optfuse.describe(fx, models.scanned_loss, stacked_params(), tokens, targets) == {
+      "['embed']": "tap", "['head']": "tap", "['layers']['b']": "loop",
+      "['layers']['w']": "loop"}
+
+
+@pytest.mark.parametrize("name", ["clip_by_global_norm+adamw", "apply_if_finite(clip+adamw)"])
+def test_two_pass_of_a_scanned_model_matches_optax_over_50_steps(name):
+  # The first backward loop reduces each layer's gradient rows into the squared norm and the
+  # all-finite flag; the second updates the rows. NaN steps are skipped as optax skips them.
+  tx = GLOBAL[name]()
+  params, batches = stacked_params(), batches_with_nans()
+  expected = models.run_optax(tx, params, batches, STEPS, loss_fn=scanned_loss)
+  got = train(optfuse.fuse(tx, mode="backward", global_ops="two_pass"), params, batches, STEPS,
+              loss_fn=scanned_loss)
+  chex.assert_trees_all_close(got, expected, **TOL)
+
+
+def reversed_remat_loss(params, tokens, targets, scale):
+  body = jax.checkpoint(lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None))
+  h, _ = jax.lax.scan(body, params["embed"][tokens], params["layers"], reverse=True)
+  return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], targets).mean() * scale
+
+
+def test_two_pass_of_a_reversed_rematerialised_scan_matches_optax_without_jit():
   tx = GLOBAL["clip_by_global_norm+adamw"]()
   params = stacked_params()
   batches = [(*batch, jnp.float32(1.0)) for batch in models.tied_lm_batches()]
-  fx = optfuse.fuse(tx, mode="backward", global_ops="two_pass")
-  step = jax.jit(fx.value_and_update(scanned_loss))
-  expected = models.run_optax(tx, params, batches, 10, loss_fn=scanned_loss)
-  state, losses = fx.init(params), []
-  for t in range(10):
-    loss, params, state = step(params, state, *batches[t % len(batches)])
-    losses.append(loss)
-  chex.assert_trees_all_close((jnp.stack(losses), params, state), expected, **TOL)
+  expected = models.run_optax(tx, params, batches, 3, loss_fn=reversed_remat_loss, jit=False)
+  got = train(optfuse.fuse(tx, mode="backward", global_ops="two_pass"), params, batches, 3,
+              loss_fn=reversed_remat_loss, jit=False)
+  chex.assert_trees_all_close(got, expected, **TOL)
+
+
+def test_two_pass_on_a_scanned_model_peaks_below_optax_with_clipping():
+  # Compile-only. Clipped optax holds the whole stacked gradient (and the clipped one) until the
+  # norm is known; two-pass holds a layer's rows. Measured on CPU (8 layers, d=512): optax
+  # 42.8 MB, two-pass 39.7 MB (backward fusion without clipping: 37.2 MB); whole-leaf taps on
+  # the stack peaked above optax (1.08x in the benchmark's scanned MLP).
+  layers, dim = 8, 512
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  params = {"embed": spec(models.VOCAB, dim),
+            "layers": {"w": spec(layers, dim, dim), "b": spec(layers, dim)},
+            "head": spec(dim, models.VOCAB)}
+  tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+  tx = GLOBAL["clip_by_global_norm+adamw"]()
+  peaks = {}
+  for mode, global_ops in [("off", None), ("backward", "two_pass")]:
+    fx = optfuse.fuse(tx, mode=mode, global_ops=global_ops)
+    step = jax.jit(fx.value_and_update(models.scanned_loss), donate_argnums=(0, 1))
+    stats = step.lower(params, jax.eval_shape(fx.init, params), tokens,
+                       tokens).compile().memory_analysis()
+    peaks[mode] = (stats.argument_size_in_bytes + stats.temp_size_in_bytes
+                   + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+  layer_bytes = (dim * dim + dim) * 4
+  assert peaks["backward"] <= peaks["off"] - 2 * layer_bytes
 
 
 def test_unknown_global_ops_is_refused():
