@@ -18,6 +18,13 @@ that scan with a ``custom_vjp`` whose backward rule is a hand-written reverse lo
 
 Leaves whose update mixes rows (LAMB's trust ratio, Adafactor's factored moments over the
 stacked axis, ...) are left to an ordinary tap: updated after the loop, exactly as optax does.
+
+The same loops serve the other modes. Forward fusion (``_forward``) hands in a ``PreUpdate``
+per leaf: the forward loop then updates row ``l`` of the param and state in place just before
+the body reads it, and the backward loop writes the gradient rows into the pending buffer.
+Two-pass backward (``_two_pass``) runs the backward rule twice: with ``updater.stage ==
+"stats"`` the loop reduces each gradient row into the leaf's statistics and writes nothing, then
+it updates the rows with the combined statistics.
 """
 
 from __future__ import annotations
