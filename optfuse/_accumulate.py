@@ -107,6 +107,16 @@ def _combine(values, last_value, has_aux: bool, k: int):
   return stack(values, last_value).sum()
 
 
+def scale_loss(loss_fn: Callable, has_aux: bool, microbatches: int) -> Callable:
+  """``loss_fn`` divided by ``microbatches``: the sum of its gradients over the microbatches is
+  their mean gradient, and the sum of its values the mean loss."""
+  def scaled(params, *args, **kwargs):
+    value = loss_fn(params, *args, **kwargs)
+    return (value[0] / microbatches, value[1]) if has_aux else value / microbatches
+
+  return scaled
+
+
 def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int, fused: FusedStep,
                accumulate: FusedStep):
   """A step over ``microbatches`` whose backward passes are all fused.
@@ -125,10 +135,7 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int, fused: Fused
     loss over the microbatches (with aux stacked along a leading axis when ``has_aux``).
   """
   k = microbatches
-
-  def scaled(params, *args, **kwargs):
-    value = loss_fn(params, *args, **kwargs)
-    return (value[0] / k, value[1]) if has_aux else value / k
+  scaled = scale_loss(loss_fn, has_aux, k)
 
   def step(params, state, *args, **kwargs):
     mb_args, mb_kwargs = split(args, kwargs, k)

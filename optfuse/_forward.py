@@ -24,6 +24,9 @@ backward loop (``_loops``), is written into the donated buffer of the pending gr
 update has just consumed. ``jax.grad`` would build it in a fresh buffer that XLA then copies into
 the donated one: one gradient more at the peak.
 
+With microbatches the first one applies the pending update and writes its gradient into the
+pending buffer; the others add theirs to it inside their backward passes (``_microbatch_step``).
+
 ``flush`` applies the pending update without a forward pass (evaluation, checkpoints, the end of
 training); ``to_optax_state`` and ``from_optax_state`` convert to and from a plain optax state.
 """
@@ -204,16 +207,39 @@ def _scanned_leaves(plan: _global.GlobalPlan, loss_fn: Callable, params, args: t
   return frozenset(leaf for site in sites.values() for leaf in site.leaves)
 
 
-def _accumulated_grads(loss_fn: Callable, has_aux: bool, params, args: tuple, kwargs: dict,
-                       microbatches: int):
-  """``(value, grads)`` over ``microbatches`` slices of the batch, as ``mode="off"`` gives them:
-  the mean gradient, the mean loss and the stacked aux."""
-  mb_args, mb_kwargs = _accumulate.split(args, kwargs, microbatches)
-  values, acc = _accumulate._sum_gradients(loss_fn, has_aux, params, mb_args, mb_kwargs,
-                                           microbatches)
-  grads = jax.tree.map(lambda g: g / microbatches, acc)
-  value = (values[0].mean(), values[1]) if has_aux else values.mean()
-  return value, grads
+def _microbatch_step(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params,
+                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int):
+  """A forward-fused step over ``microbatches`` slices of the batch: ``(value, params, state)``.
+
+  The first microbatch runs the one-microbatch step: its forward pass applies the pending update
+  (inside the scan for stacked layers) and its backward pass writes its gradient into the
+  pending buffer. Each other microbatch then adds its gradient to that buffer inside its own
+  backward pass (a fused step of ``_accumulate.accumulator``). The loss is divided by
+  ``microbatches``, so the buffer ends with the mean gradient and the values sum to the mean
+  loss, as ``mode="off"`` computes them; the aux is stacked along a leading axis.
+  """
+  k = microbatches
+  scaled = _accumulate.scale_loss(loss_fn, has_aux, k)
+  mb_args, mb_kwargs = _accumulate.split(args, kwargs, k)
+  first_args, first_kwargs = _accumulate._index((mb_args, mb_kwargs), 0)
+  value, params, new_state = value_and_update(plan, scaled, has_aux, params, state, first_args,
+                                              first_kwargs)
+  acc = new_state.pending_grads
+  acc_plan = _plan.make_plan(_accumulate.accumulator(), params, acc)
+
+  def body(acc, batch):
+    value, _, acc = _backward.value_and_update(acc_plan, scaled, has_aux, params, acc, *batch,
+                                               update_params=False)
+    return acc, value
+
+  rest = _accumulate._index((mb_args, mb_kwargs), slice(1, k))
+  acc, values = lax.scan(body, acc, rest)
+  stack = lambda x, xs: jnp.concatenate([x[None], xs])
+  if has_aux:
+    value = (value[0] + values[0].sum(), jax.tree.map(stack, value[1], values[1]))
+  else:
+    value = value + values.sum()
+  return value, params, _next_state(new_state.opt_state, acc, state.pending_grads)
 
 
 def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params,
@@ -236,11 +262,9 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
     ``(value, params, state)``: the loss (or ``(loss, aux)``) at the updated params, the
     updated params and a ``ForwardState`` whose pending gradient is this step's.
   """
-  where = placement(plan, loss_fn, params, state, args, kwargs)
   if microbatches > 1:
-    params, opt_state, _ = apply_pending(plan, params, state, where.rows | where.in_loop)
-    value, grads = _accumulated_grads(loss_fn, has_aux, params, args, kwargs, microbatches)
-    return value, params, _next_state(opt_state, grads, state.pending_grads)
+    return _microbatch_step(plan, loss_fn, has_aux, params, state, args, kwargs, microbatches)
+  where = placement(plan, loss_fn, params, state, args, kwargs)
   # The new gradient is the state of a backward-fused ``_capture`` step: each leaf's gradient
   # (each row of a scanned leaf, inside the backward loop) is written into the buffer of the
   # pending gradient just consumed, which the step donates, instead of a fresh buffer that XLA
