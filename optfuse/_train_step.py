@@ -17,7 +17,8 @@ from optfuse._fuse import fuse
 
 
 def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
-               mode: str | None = None) -> Callable:
+               mode: str | None = None, global_ops: str | None = None,
+               microbatches: int | None = None) -> Callable:
   """Turns ``loss_fn(params, *args)`` into ``step(state, *args) -> (value, state)``.
 
   ``step(state, *args)`` does what ``jax.value_and_grad(loss_fn)(state.params, *args)`` followed
@@ -34,6 +35,11 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
       for an ``optfuse.linen.TrainState``, else "backward". The state's ``opt_state`` must have
       the layout ``optfuse.fuse(state.tx, mode).init`` gives: ``tx.init(params)`` in "backward"
       and "off" mode.
+    global_ops: ``"two_pass"`` lets backward mode run global transforms such as
+      ``clip_by_global_norm`` (see ``optfuse.fuse``). By default the state's own ``global_ops``
+      for an ``optfuse.linen.TrainState``, else ``None``.
+    microbatches: split every array argument along its leading axis into this many microbatches
+      whose mean gradient makes one update; the value is their mean loss.
 
   Returns:
     ``step(state, *args, **kwargs) -> (value, state)``: the loss (or ``(loss, aux)``) at the old
@@ -41,7 +47,7 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
     ``loss_fn``, a decorator that builds it.
 
   Raises:
-    ValueError: ``mode`` contradicts the ``mode`` of an ``optfuse.linen.TrainState``.
+    ValueError: ``mode`` or ``global_ops`` contradicts that of an ``optfuse.linen.TrainState``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -56,7 +62,8 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
     [1.  0.9 0.8] 1
   """
   if loss_fn is None:
-    return functools.partial(train_step, has_aux=has_aux, mode=mode)
+    return functools.partial(train_step, has_aux=has_aux, mode=mode, global_ops=global_ops,
+                             microbatches=microbatches)
   fused_by_tx: dict = {}
 
   @functools.wraps(loss_fn)
@@ -68,11 +75,19 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
             f"train_step was given mode={mode!r} but the state was created with "
             f"mode={own_mode!r}, and its opt_state has that mode's layout. Drop the mode "
             "argument or create the state with the mode you want.")
-      return state.value_and_update(loss_fn, *args, has_aux=has_aux, **kwargs)
-    key = (state.tx, mode or "backward")
+      own_global_ops = getattr(state, "global_ops", None)
+      if global_ops is not None and global_ops != own_global_ops:
+        raise ValueError(
+            f"train_step was given global_ops={global_ops!r} but the state was created with "
+            f"global_ops={own_global_ops!r}. Drop the global_ops argument or create the state "
+            "with the global_ops you want.")
+      return state.value_and_update(loss_fn, *args, has_aux=has_aux,
+                                    microbatches=microbatches, **kwargs)
+    key = (state.tx, mode or "backward", global_ops)
     if key not in fused_by_tx:
       fused_by_tx[key] = fuse(*key)
-    update = fused_by_tx[key].value_and_update(loss_fn, has_aux=has_aux)
+    update = fused_by_tx[key].value_and_update(loss_fn, has_aux=has_aux,
+                                               microbatches=microbatches)
     value, params, opt_state = update(state.params, state.opt_state, *args, **kwargs)
     return value, state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 

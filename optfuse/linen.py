@@ -38,7 +38,9 @@ class TrainState(train_state.TrainState):
     opt_state: the state of ``tx``; exactly ``tx.init(params)`` at creation in "backward" and
       "off" mode, so checkpoints and ``apply_gradients`` interoperate with plain Flax.
     mode: the fusion mode, "backward", "forward" or "off" (static: part of the jit cache key).
-    fused: the ``optfuse.fuse(tx, mode)`` transformation, built once by ``create`` and carried
+    global_ops: ``None`` or ``"two_pass"`` (see ``optfuse.fuse``; static).
+    fused: the ``optfuse.fuse(tx, mode, global_ops)`` transformation, built once by ``create``
+      and carried
       along by ``replace`` so that its update plans are cached across steps.
 
   Examples:
@@ -57,12 +59,13 @@ class TrainState(train_state.TrainState):
   """
 
   mode: str = struct.field(pytree_node=False, default="backward", kw_only=True)
+  global_ops: str | None = struct.field(pytree_node=False, default=None, kw_only=True)
   fused: FusedTransformation | None = struct.field(
       pytree_node=False, default=None, kw_only=True, repr=False)
 
   @classmethod
   def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation,
-             mode: str = "backward", **kwargs) -> TrainState:
+             mode: str = "backward", global_ops: str | None = None, **kwargs) -> TrainState:
     """A new state with ``step=0`` and ``opt_state = optfuse.fuse(tx, mode).init(params)``.
 
     Args:
@@ -70,13 +73,15 @@ class TrainState(train_state.TrainState):
       params: the params to train.
       tx: the optax transformation.
       mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
+      global_ops: ``"two_pass"`` lets backward mode run global transforms such as
+        ``clip_by_global_norm`` (see ``optfuse.fuse``).
       **kwargs: the other fields of a subclass (``batch_stats=...``).
 
     Returns:
       The new state.
 
     Raises:
-      UnknownModeError: ``mode`` is not a fusion mode.
+      UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
       ParamsStructureError: ``params`` holds fp8 overwrite-with-gradient params, which are not
         trained by ``tx`` and cannot be fused.
     """
@@ -85,17 +90,18 @@ class TrainState(train_state.TrainState):
           f"params hold a {OVERWRITE_WITH_GRADIENT!r} collection (fp8 training); its values are "
           "overwritten by their gradients, not trained by tx, so optfuse cannot fuse them. Use "
           "flax.training.train_state.TrainState for fp8 training.")
-    fused = fuse(tx, mode)
+    fused = fuse(tx, mode, global_ops)
     return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=fused.init(params),
-               mode=mode, fused=fused, **kwargs)
+               mode=mode, global_ops=global_ops, fused=fused, **kwargs)
 
   def _fused(self) -> FusedTransformation:
-    if self.fused is not None and self.fused.tx is self.tx and self.fused.mode == self.mode:
+    if (self.fused is not None and self.fused.tx is self.tx and self.fused.mode == self.mode
+        and self.fused.global_ops == self.global_ops):
       return self.fused
-    return fuse(self.tx, self.mode)
+    return fuse(self.tx, self.mode, self.global_ops)
 
   def value_and_update(self, loss_fn: Callable, *args, has_aux: bool = False,
-                       **kwargs) -> tuple[Any, TrainState]:
+                       microbatches: int | None = None, **kwargs) -> tuple[Any, TrainState]:
     """One fused training step.
 
     Args:
@@ -104,6 +110,9 @@ class TrainState(train_state.TrainState):
       *args: the other positional arguments of ``loss_fn`` (the batch, dropout keys...).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; put updated mutable collections
         (``batch_stats``) in ``aux`` and ``replace`` them into the state afterwards.
+      microbatches: split every array argument along its leading axis into this many
+        microbatches whose mean gradient makes one update (see ``optfuse.fuse``); the value is
+        the mean loss (with ``has_aux``, the aux of each microbatch stacked).
       **kwargs: keyword arguments of ``loss_fn``.
 
     Returns:
@@ -111,7 +120,7 @@ class TrainState(train_state.TrainState):
       new ``params`` and ``opt_state`` and ``step + 1``.
     """
     fused = self._fused()
-    step = fused.value_and_update(loss_fn, has_aux=has_aux)
+    step = fused.value_and_update(loss_fn, has_aux=has_aux, microbatches=microbatches)
     value, params, opt_state = step(self.params, self.opt_state, *args, **kwargs)
     return value, self.replace(step=self.step + 1, params=params, opt_state=opt_state,
                                fused=fused)

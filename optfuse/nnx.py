@@ -37,7 +37,9 @@ class Optimizer(nnx.Optimizer[M]):
 
   Attributes:
     mode: the fusion mode, "backward", "forward" or "off".
-    fused: the ``optfuse.fuse(tx, mode)`` transformation; it caches the update plans.
+    global_ops: ``None`` or ``"two_pass"`` (see ``optfuse.fuse``).
+    fused: the ``optfuse.fuse(tx, mode, global_ops)`` transformation; it caches the update
+      plans.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse.nnx
@@ -56,7 +58,7 @@ class Optimizer(nnx.Optimizer[M]):
 
   def __init__(self, model: M, tx: optax.GradientTransformation, *,
                wrt: filterlib.Filter = nnx.Param, mode: str = "backward",
-               graph: bool | None = None):
+               global_ops: str | None = None, graph: bool | None = None):
     """Builds the optimizer state of the ``wrt`` variables of ``model``.
 
     Args:
@@ -64,12 +66,14 @@ class Optimizer(nnx.Optimizer[M]):
       tx: the optax transformation.
       wrt: filter of the variables to train (as for ``nnx.Optimizer`` and ``nnx.grad``).
       mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
+      global_ops: ``"two_pass"`` lets backward mode run global transforms such as
+        ``clip_by_global_norm`` (see ``optfuse.fuse``).
       graph: NNX graph mode (``True``) or tree mode (``False``); ``None``: NNX's current mode.
 
     Raises:
-      UnknownModeError: ``mode`` is not a fusion mode.
+      UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
     """
-    fused = fuse(tx, mode)
+    fused = fuse(tx, mode, global_ops)
     # nnx.Optimizer.__init__ would build the state with tx.init; the fused transformation's init
     # gives the layout of its mode, so the attributes are set here as nnx.Optimizer sets them.
     self.graph = graph
@@ -79,6 +83,7 @@ class Optimizer(nnx.Optimizer[M]):
         fused.init(nnx.state(model, wrt, graph=graph))))
     self.wrt = wrt
     self.mode = mode
+    self.global_ops = global_ops
     self.fused = fused
 
   def value_and_update(self, model: M, loss_fn: Callable, *args, has_aux: bool = False,

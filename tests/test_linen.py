@@ -256,3 +256,59 @@ def test_create_refuses_fp8_overwrite_with_gradient_params():
   params = {"params": {"w": jnp.ones(2)}, OVERWRITE_WITH_GRADIENT: {"scale": jnp.ones(())}}
   with pytest.raises(optfuse.ParamsStructureError, match=OVERWRITE_WITH_GRADIENT):
     optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+
+
+CLIP = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
+
+
+def _dense_params_and_batches():
+  model = nn.Sequential([nn.Dense(16), nn.tanh, nn.Dense(2)])
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+  y = jax.random.normal(jax.random.key(2), (8, 2))
+  params = model.init(jax.random.key(0), x)["params"]
+  # A root mean square: the mean of its microbatch gradients is not its full-batch gradient,
+  # so a step that ignored ``microbatches`` would not match the reference.
+  loss = lambda params, x, y: jnp.sqrt(jnp.mean((model.apply({"params": params}, x) - y) ** 2))
+  return params, [(x, y), (-x, y)], loss
+
+
+def _train_reference(params, batches, loss, microbatches, steps=20):
+  """Mode "off" (optax's update, and optax's accumulation loop with microbatches)."""
+  fx = optfuse.fuse(CLIP, mode="off")
+  step = jax.jit(fx.value_and_update(loss, microbatches=microbatches))
+  state = fx.init(params)
+  for t in range(steps):
+    _, params, state = step(params, state, *batches[t % 2])
+  return params, state
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+def test_train_state_with_two_pass_clipping_matches_optax(microbatches):
+  params, batches, loss = _dense_params_and_batches()
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=CLIP,
+                                          global_ops="two_pass")
+  step = jax.jit(lambda s, x, y: s.value_and_update(loss, x, y, microbatches=microbatches))
+  for t in range(20):
+    _, state = step(state, *batches[t % 2])
+  # float32, the same update in another XLA program (and the accumulated sum in another
+  # order): a few ulps per step.
+  chex.assert_trees_all_close((state.params, state.opt_state),
+                              _train_reference(params, batches, loss, microbatches),
+                              rtol=1e-5, atol=1e-6)
+
+
+def test_train_step_passes_global_ops_and_microbatches_to_a_flax_train_state():
+  params, batches, loss = _dense_params_and_batches()
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=CLIP)
+  step = jax.jit(optfuse.train_step(loss, global_ops="two_pass", microbatches=2))
+  for t in range(20):
+    _, state = step(state, *batches[t % 2])
+  chex.assert_trees_all_close((state.params, state.opt_state),
+                              _train_reference(params, batches, loss, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_train_step_refuses_global_ops_that_contradict_the_state():
+  params, batches, loss = _dense_params_and_batches()
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+  with pytest.raises(ValueError, match="global_ops"):
+    optfuse.train_step(loss, global_ops="two_pass")(state, *batches[0])
