@@ -163,3 +163,20 @@ def scanned_loss(params, tokens, targets):
   h, _ = jax.lax.scan(body, params["embed"][tokens], params["layers"])
   return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], targets).mean()
 
+
+def abstract_stacked_params(layers: int, dim: int) -> dict:
+  """``stacked_params``' shapes as ``jax.ShapeDtypeStruct``s, for compile-only memory checks."""
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  return {"embed": spec(VOCAB, dim),
+          "layers": {"w": spec(layers, dim, dim), "b": spec(layers, dim)},
+          "head": spec(dim, VOCAB)}
+
+
+def compiled_peak(fx, loss_fn: Callable, params, *args, **step_kwargs) -> int:
+  """Compiled peak bytes of ``fx``'s step, jitted with donation, on abstract inputs:
+  arguments + temporaries + outputs - aliased outputs (``memory_analysis()``)."""
+  step = jax.jit(fx.value_and_update(loss_fn, **step_kwargs), donate_argnums=(0, 1))
+  stats = step.lower(params, jax.eval_shape(fx.init, params), *args).compile().memory_analysis()
+  return (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes)
+

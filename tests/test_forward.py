@@ -128,14 +128,9 @@ def test_forward_fusion_with_microbatches_accumulates_into_the_pending_buffer():
     h, _ = jax.lax.scan(body, x, (p["w"], p["b"]))
     return jnp.mean((h @ p["out"] - y) ** 2)
 
-  peaks = {}
-  for mode in ("off", "forward"):
-    fx = optfuse.fuse(OPTIMIZERS["clip_by_global_norm+adamw"](), mode=mode)
-    step = jax.jit(fx.value_and_update(loss, microbatches=4), donate_argnums=(0, 1))
-    stats = step.lower(params, jax.eval_shape(fx.init, params), spec(64, dim),
-                       spec(64, 1)).compile().memory_analysis()
-    peaks[mode] = (stats.argument_size_in_bytes + stats.temp_size_in_bytes
-                   + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+  peaks = {mode: models.compiled_peak(
+      optfuse.fuse(OPTIMIZERS["clip_by_global_norm+adamw"](), mode=mode), loss, params,
+      spec(64, dim), spec(64, 1), microbatches=4) for mode in ("off", "forward")}
   stack_bytes = layers * dim * dim * 4
   assert peaks["forward"] <= peaks["off"] - stack_bytes / 2
 
@@ -242,10 +237,7 @@ def test_forward_step_on_a_scanned_model_needs_about_optax_peak_memory(name):
   # whole-leaf update: 50.2 and 57.5 MB). What is left is rows in flight in the two loops (the
   # new and the prefetched param and slot rows): the bound is optax's peak plus 2.5 layers.
   layers, dim = 8, 512
-  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  params = {"embed": spec(models.VOCAB, dim),
-            "layers": {"w": spec(layers, dim, dim), "b": spec(layers, dim)},
-            "head": spec(dim, models.VOCAB)}
+  params = models.abstract_stacked_params(layers, dim)
   tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
   report = optfuse.memory_report(models.scanned_loss, OPTIMIZERS[name](), params, tokens, tokens)
   layer_bytes = (dim * dim + dim) * 4

@@ -152,20 +152,12 @@ def test_two_pass_on_a_scanned_model_peaks_below_optax_with_clipping():
   # 42.8 MB, two-pass 39.7 MB (backward fusion without clipping: 37.2 MB); whole-leaf taps on
   # the stack peaked above optax (1.08x in the benchmark's scanned MLP).
   layers, dim = 8, 512
-  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  params = {"embed": spec(models.VOCAB, dim),
-            "layers": {"w": spec(layers, dim, dim), "b": spec(layers, dim)},
-            "head": spec(dim, models.VOCAB)}
+  params = models.abstract_stacked_params(layers, dim)
   tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
   tx = GLOBAL["clip_by_global_norm+adamw"]()
-  peaks = {}
-  for mode, global_ops in [("off", None), ("backward", "two_pass")]:
-    fx = optfuse.fuse(tx, mode=mode, global_ops=global_ops)
-    step = jax.jit(fx.value_and_update(models.scanned_loss), donate_argnums=(0, 1))
-    stats = step.lower(params, jax.eval_shape(fx.init, params), tokens,
-                       tokens).compile().memory_analysis()
-    peaks[mode] = (stats.argument_size_in_bytes + stats.temp_size_in_bytes
-                   + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+  peaks = {mode: models.compiled_peak(optfuse.fuse(tx, mode=mode, global_ops=global_ops),
+                                      models.scanned_loss, params, tokens, tokens)
+           for mode, global_ops in [("off", None), ("backward", "two_pass")]}
   layer_bytes = (dim * dim + dim) * 4
   assert peaks["backward"] <= peaks["off"] - 2 * layer_bytes
 
