@@ -194,19 +194,6 @@ def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts
   return param, slots
 
 
-def _scanned_leaves(plan: _global.GlobalPlan, loss_fn: Callable, params, args: tuple,
-                    kwargs: dict) -> frozenset[int]:
-  """The float param leaves the loss consumes only as the scanned input of a ``lax.scan``
-  (stacked layers), found as ``_loops`` finds them: their update runs row by row."""
-  leaves = plan.params_def.flatten_up_to(params)
-  closed, _, _ = _loops._trace_loss(loss_fn, plan.params_def, leaves, args, kwargs)
-  jaxpr = closed.jaxpr
-  param_of = {v: i for i, v in enumerate(jaxpr.invars[:len(leaves)])
-              if _backward.is_float(leaves[i])}
-  sites = _loops._find_sites(jaxpr, param_of, lambda leaf, length: True)
-  return frozenset(leaf for site in sites.values() for leaf in site.leaves)
-
-
 def _microbatch_step(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params,
                      state: ForwardState, args: tuple, kwargs: dict, microbatches: int):
   """A forward-fused step over ``microbatches`` slices of the batch: ``(value, params, state)``.
@@ -325,7 +312,9 @@ def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: Forwar
   loop_plan = _loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs, diff)
   in_loop = frozenset(i for i in loop_plan.fused_leaves
                       if plan.rowwise(i, state_leaves, param_leaves))
-  stacked = _scanned_leaves(plan, loss_fn, params, args, kwargs)
+  # Every float leaf that a scan consumes as its stacked input, whatever the loop's length.
+  stacked = frozenset(_loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs,
+                                     diff, fusible=lambda leaf, length: True).fused_leaves)
   rows = frozenset(i for i in stacked - in_loop
                    if i in diff and plan.rowwise(i, state_leaves, param_leaves))
   return Placement(capture_plan, loop_plan, in_loop, rows)
