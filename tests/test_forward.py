@@ -215,6 +215,20 @@ def test_in_loop_forward_fusion_without_jit_matches_optax():
   chex.assert_trees_all_close(got, expected, **TOL)
 
 
+def test_stacked_leaves_of_a_loop_too_short_to_fuse_are_updated_row_by_row_before_it():
+  # Two layers: the backward loop keeps the stacked gradient (a loop needs 3 iterations to pay
+  # for its rows in flight), and SGD's update (no slots) is applied row by row before the loop.
+  tx = optax.sgd(0.1)
+  params, batches = models.stacked_params(layers=2), models.tied_lm_batches()
+  tokens, targets = batches[0]
+  fx = optfuse.fuse(tx, mode="forward")
+  placements = optfuse.describe(fx, models.scanned_loss, params, tokens, targets)
+  assert placements["['layers']['w']"] == placements["['layers']['b']"] == "rows"
+  expected = models.run_optax(tx, params, batches, 20, loss_fn=models.scanned_loss)
+  got = train(fx, params, batches, 20, loss_fn=models.scanned_loss)
+  chex.assert_trees_all_close(got, expected, **TOL)
+
+
 def test_stacked_leaves_whose_update_mixes_rows_are_updated_whole_before_the_loop():
   tx = optax.lamb(1e-2)  # the trust ratio is a norm over the whole stacked leaf
   params, batches = models.stacked_params(), models.tied_lm_batches()
