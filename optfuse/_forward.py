@@ -143,22 +143,17 @@ def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
   where the leaves of ``rows`` are updated row by row in place (``_update_rows``) and the leaves
   of ``deferred`` are left as they are."""
   cuts, global_state = plan.run_global(grads, state, params)
-  new_params, new_state = list(params), list(state)
-  for i, group in enumerate(plan.groups):
+  new_params, slots = list(params), {}
+  for i in range(plan.num_params):
     if i in deferred:
       continue
     p = params[i]
     if i in rows:
-      new_params[i], slots = _update_rows(plan, i, grads, state, params, cuts)
+      new_params[i], slots[i] = _update_rows(plan, i, grads, state, params, cuts)
     else:
-      update, slots = plan.run_group(i, grads[i], state, params, cuts)
+      update, slots[i] = plan.run_group(i, grads[i], state, params, cuts)
       new_params[i] = optax.apply_updates(p, update) if _backward.is_float(p) else p
-    for k, s in zip(group.state_outs, slots):
-      new_state[k] = s
-  for k, s in zip(plan.global_outs, global_state):
-    new_state[k] = s
-  for k, s in zip(plan.shared_outs, plan.run_shared(state, params)):
-    new_state[k] = s
+  new_state = plan.new_state(state, params, slots, global_state)
   return new_params, new_state, cuts
 
 

@@ -213,20 +213,27 @@ class GlobalPlan(NamedTuple):
                      [None] * self.num_params, state, params, flat_stats)
     return out[:len(self.cuts)], out[len(self.cuts):]
 
+  def new_state(self, state, params, slots: dict[int, Sequence[Any]], global_state) -> list[Any]:
+    """The flat new state: each leaf's new slots (``slots[i]``, leaves absent keep theirs),
+    the global stage's state and the shared state, computed from the old ``state``."""
+    new = list(state)
+    for i, leaf_slots in slots.items():
+      for k, s in zip(self.groups[i].state_outs, leaf_slots):
+        new[k] = s
+    for k, s in zip(self.global_outs, global_state):
+      new[k] = s
+    for k, s in zip(self.shared_outs, self.run_shared(state, params)):
+      new[k] = s
+    return new
+
   def update(self, grads, state, params) -> tuple[list[Any], list[Any]]:
     """The whole update, stage by stage: flat ``(updates, new_state)`` as ``tx.update`` gives."""
     cuts, global_state = self.run_global(grads, state, params)
-    updates, new_state = [], list(state)
-    for i, group in enumerate(self.groups):
-      update, slots = self.run_group(i, grads[i], state, params, cuts)
+    updates, slots = [], {}
+    for i in range(self.num_params):
+      update, slots[i] = self.run_group(i, grads[i], state, params, cuts)
       updates.append(update)
-      for k, s in zip(group.state_outs, slots):
-        new_state[k] = s
-    for k, s in zip(self.global_outs, global_state):
-      new_state[k] = s
-    for k, s in zip(self.shared_outs, self.run_shared(state, params)):
-      new_state[k] = s
-    return updates, new_state
+    return updates, self.new_state(state, params, slots, global_state)
 
 
 def _is_var(atom) -> bool:

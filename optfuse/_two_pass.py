@@ -232,22 +232,17 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   new_params, new_slots, _ = pullback(seed)
   fired = updater.fired_in["update"]
 
-  params_out, state_out = list(param_leaves), list(state_leaves)
-  for i, (p, group) in enumerate(zip(param_leaves, plan.groups)):
+  params_out, slots_out = list(param_leaves), {}
+  for i, p in enumerate(param_leaves):
     if i in fired:
-      params_out[i], group_slots = new_params[i], new_slots[i]
+      params_out[i], slots_out[i] = new_params[i], new_slots[i]
     else:
-      new_p, group_slots = apply(i, unfired_grad(i), p, slots_of(i), cuts)
+      new_p, slots_out[i] = apply(i, unfired_grad(i), p, slots_of(i), cuts)
       if _backward.is_float(p):
         params_out[i] = new_p
       else:  # not trained: optax's zero-gradient update would promote its int slots to float
-        group_slots = _backward.keep_int_state(group_slots, slots_of(i))
-    for k, s in zip(group.state_outs, group_slots):
-      state_out[k] = s
-  for k, s in zip(plan.global_outs, global_state):
-    state_out[k] = s
-  for k, s in zip(plan.shared_outs, plan.run_shared(state_leaves, param_leaves)):
-    state_out[k] = s
+        slots_out[i] = _backward.keep_int_state(slots_out[i], slots_of(i))
+  state_out = plan.new_state(state_leaves, param_leaves, slots_out, global_state)
   value = (loss, aux) if has_aux else loss
   return (value, jax.tree.unflatten(plan.params_def, params_out),
           jax.tree.unflatten(plan.state_def, state_out))
