@@ -172,11 +172,16 @@ def abstract_stacked_params(layers: int, dim: int) -> dict:
           "head": spec(dim, VOCAB)}
 
 
-def compiled_peak(fx, loss_fn: Callable, params, *args, **step_kwargs) -> int:
-  """Compiled peak bytes of ``fx``'s step, jitted with donation, on abstract inputs:
-  arguments + temporaries + outputs - aliased outputs (``memory_analysis()``)."""
+def compiled_memory(fx, loss_fn: Callable, params, *args, **step_kwargs):
+  """``memory_analysis()`` of ``fx``'s step, jitted with donation, compiled for abstract inputs
+  (``jax.ShapeDtypeStruct``s): nothing is allocated."""
   step = jax.jit(fx.value_and_update(loss_fn, **step_kwargs), donate_argnums=(0, 1))
-  stats = step.lower(params, jax.eval_shape(fx.init, params), *args).compile().memory_analysis()
+  return step.lower(params, jax.eval_shape(fx.init, params), *args).compile().memory_analysis()
+
+
+def compiled_peak(fx, loss_fn: Callable, params, *args, **step_kwargs) -> int:
+  """Compiled peak bytes of ``fx``'s step (``compiled_memory``): arguments + temporaries +
+  outputs - aliased outputs."""
+  stats = compiled_memory(fx, loss_fn, params, *args, **step_kwargs)
   return (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
           - stats.alias_size_in_bytes)
-

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import optfuse
+from tests import models
 from tests.test_loops import _init, scan_loss
 
 # float32 over 20 steps; the fused step divides the partial sums by k before adding them (optax
@@ -93,10 +94,9 @@ def test_last_microbatch_is_fused_inside_the_loop_and_saves_a_gradient_buffer():
   temps = {}
   for mode, k in (("off", K), ("backward", K), ("single", 1)):
     fx = optfuse.fuse(optax.adam(1e-3), mode="off" if mode == "off" else "backward")
-    state = jax.eval_shape(fx.init, params)
-    step = jax.jit(fx.value_and_update(loss, microbatches=k), donate_argnums=(0, 1))
     batch = jax.ShapeDtypeStruct((k * 8, width), jnp.float32)
-    temps[mode] = step.lower(params, state, batch).compile().memory_analysis().temp_size_in_bytes
+    temps[mode] = models.compiled_memory(fx, loss, params, batch,
+                                         microbatches=k).temp_size_in_bytes
   grad_bytes, row_bytes = layers * width * width * 4, width * width * 4
   # optax holds the running sum and each microbatch's gradient: two gradient buffers.
   assert temps["off"] >= 2 * grad_bytes, temps

@@ -282,10 +282,9 @@ def test_two_pass_accumulation_holds_the_accumulator_not_a_second_gradient_tree(
                            ("two_pass", dict(mode="backward", global_ops="two_pass"), 4),
                            ("single", dict(mode="backward", global_ops="two_pass"), 1)):
     fx = optfuse.fuse(ACCUMULATE["clip_by_global_norm+adamw"](), **options)
-    state = jax.eval_shape(fx.init, params)
-    step = jax.jit(fx.value_and_update(loss, microbatches=k), donate_argnums=(0, 1))
     batch = jax.ShapeDtypeStruct((k * 8, width), jnp.float32)
-    temps[name] = step.lower(params, state, batch).compile().memory_analysis().temp_size_in_bytes
+    temps[name] = models.compiled_memory(fx, loss, params, batch,
+                                         microbatches=k).temp_size_in_bytes
   grad_bytes, leaf_bytes = layers * width * width * 4, width * width * 4
   # optax's loop holds the running sum and each microbatch's gradient.
   assert temps["optax"] >= 2 * grad_bytes, temps
