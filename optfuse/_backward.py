@@ -86,10 +86,11 @@ class LeafUpdater:
     self.stage = "update"  # one backward pass, which updates (see ``_two_pass`` for two)
     self.stat_inputs: dict[int, tuple] = {}
 
-  def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int):
+  def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int,
+                 axis: int = 0):
     """Row ``index`` of leaf ``i``'s ``(update, new_slots)``, inside a backward loop."""
     return _loops.row_update(self.plan, i, grad_row, param_row, slot_rows, readonly, index,
-                             length)
+                             length, axis)
 
   def slots(self, i: int) -> tuple:
     return tuple(self.state[k] for k in self.plan.groups[i].state_outs)

@@ -1,8 +1,8 @@
-"""Where each parameter leaf's update runs: a diagnostic for users and tests."""
+"""Where each parameter leaf's update runs, and why a stacked leaf is not fused in its loop."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,27 @@ import jax.numpy as jnp
 from optfuse import _backward, _forward, _global, _loops, _plan, _two_pass
 
 
-def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
+class Placements(dict):
+  """Leaf path -> where its update runs (a ``dict``), with the reasons of stacked leaves.
+
+  Attributes:
+    reasons: leaf path -> why a leaf that a scan reads as its stacked input is not updated
+      inside the loop, for every such leaf that is not.
+  """
+
+  def __init__(self, where: Mapping[str, str], reasons: Mapping[str, str]):
+    super().__init__(where)
+    self.reasons = dict(reasons)
+
+  def table(self) -> str:
+    """One line per leaf: its path, where it runs and, if a stacked leaf is not fused, why."""
+    width = max(map(len, self), default=0)
+    return "\n".join(f"{path.ljust(width)}  {where}"
+                     + (f"  ({self.reasons[path]})" if path in self.reasons else "")
+                     for path, where in self.items())
+
+
+def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
   """Says where each parameter leaf is updated, without running anything.
 
   Args:
@@ -22,7 +42,10 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
     **kwargs: its keyword arguments.
 
   Returns:
-    A dict from leaf path (``jax.tree_util.keystr``) to where its update runs. Backward mode:
+    A ``Placements``: a dict from leaf path (``jax.tree_util.keystr``) to where its update runs,
+    whose ``reasons`` say, for every leaf a scan reads as its stacked input and that is not
+    updated inside the loop, why (read twice, inside a ``while_loop``, the loop too short, the
+    update mixes rows...). Backward mode:
     ``"loop"`` (row by row inside the backward loop of a scan, in place) or ``"tap"`` (in the
     backward pass once its whole gradient is complete). Forward mode: ``"loop"`` (row by row
     inside the forward loop of a scan, in place, just before the layer runs), ``"rows"`` (row
@@ -55,7 +78,8 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
   label = lambda i, where: where.get(i, "leaf" if mode == "forward" else "tap") if i in diff \
       else "carried"
   if mode == "off":
-    return {path: "optax" if i in diff else "carried" for i, path in enumerate(paths)}
+    return Placements({path: "optax" if i in diff else "carried"
+                       for i, path in enumerate(paths)}, {})
   found: list = []
   if mode == "forward":
     state = jax.eval_shape(_forward.transformation(tx)[0], params)
@@ -63,7 +87,8 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
 
     def analyze(p, s, a, kw):
       where = _forward.placement(plan, loss_fn, p, s, a, kw)
-      return {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
+      placed = {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
+      return placed, where.loop_plan.reasons
   else:
     state = jax.eval_shape(tx.init, params)
     plan = (_two_pass.make_plan if global_ops == "two_pass" else _plan.make_plan)(tx, params,
@@ -71,12 +96,16 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> dict[str, str]:
 
     def analyze(p, s, a, kw):
       s = jax.tree.leaves(s)
-      fusible = None
+      refuse = None
       if isinstance(plan, _global.GlobalPlan):  # two-pass: as _two_pass.value_and_update
-        fusible = lambda leaf, length: plan.rowwise(leaf, s, plan.params_def.flatten_up_to(p),
-                                                    stats=True)
-      fused = _loops.analyze(loss_fn, plan, p, s, a, kw, diff, fusible=fusible).fused_leaves
-      return dict.fromkeys(fused, "loop")
+        refuse = lambda leaf, length, axis: plan.row_refusal(
+            leaf, s, plan.params_def.flatten_up_to(p), stats=True, axis=axis)
+      loop_plan = _loops.analyze(loss_fn, plan, p, s, a, kw, diff, refuse=refuse,
+                                 remat_problem=refuse and _loops.REMAT_TWO_PASS)
+      return dict.fromkeys(loop_plan.fused_leaves, "loop"), loop_plan.reasons
 
   jax.eval_shape(lambda *xs: found.append(analyze(*xs)), params, state, args, kwargs)
-  return {path: label(i, found[0]) for i, path in enumerate(paths)}
+  placed, reasons = found[0]
+  return Placements({path: label(i, placed) for i, path in enumerate(paths)},
+                    {paths[i]: why for i, why in reasons.items()
+                     if i in diff and placed.get(i) != "loop"})

@@ -87,8 +87,8 @@ def _check_forward_state(tx: optax.GradientTransformation, params, state) -> Non
 
 
 def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState,
-                  rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset()
-                  ) -> tuple[Any, Any, list]:
+                  rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
+                  axes: dict | None = None) -> tuple[Any, Any, list]:
   """Applies the pending update, if any: ``(params, opt_state, cuts)``.
 
   The global stage runs once on all the pending gradients, then each leaf's share (row by row
@@ -110,7 +110,7 @@ def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState,
   def apply(operands):
     grads, state_leaves, param_leaves = operands
     new_params, new_state, cuts = _update(plan, grads, state_leaves, param_leaves, rows,
-                                          deferred)
+                                          deferred, axes or {})
     # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
     new_state = [jnp.asarray(new_state[k]).astype(jnp.result_type(state_leaves[k]))
                  for k in own_state]
@@ -137,7 +137,7 @@ def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState,
 
 
 def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
-            rows: frozenset[int], deferred: frozenset[int] = frozenset()
+            rows: frozenset[int], deferred: frozenset[int] = frozenset(), axes: dict | None = None
             ) -> tuple[list, list, list]:
   """Flat ``(new_params, new_state, cuts)``: ``plan.update`` and ``optax.apply_updates``,
   where the leaves of ``rows`` are updated row by row in place (``_update_rows``) and the leaves
@@ -149,7 +149,8 @@ def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
       continue
     p = params[i]
     if i in rows:
-      new_params[i], slots[i] = _update_rows(plan, i, grads, state, params, cuts)
+      new_params[i], slots[i] = _update_rows(plan, i, grads, state, params, cuts,
+                                             (axes or {}).get(i, 0))
     else:
       update, slots[i] = plan.run_group(i, grads[i], state, params, cuts)
       new_params[i] = optax.apply_updates(p, update) if _backward.is_float(p) else p
@@ -157,7 +158,7 @@ def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
   return new_params, new_state, cuts
 
 
-def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts
+def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts, axis: int = 0
                  ) -> tuple[Any, list]:
   """Leaf ``i``'s new param and state slots, one row per iteration, written in place.
 
@@ -165,18 +166,18 @@ def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts
   consumers (the clipped gradient, read by both of Adam's moments); a row loop holds one row
   of it. The buffers are updated in place.
   """
-  group, length = plan.groups[i], jnp.shape(params[i])[0]
+  group, length = plan.groups[i], jnp.shape(params[i])[axis]
 
   def fetch(param, slots, index):
-    at = lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False)
+    at = lambda x: lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
     return at(param), [at(s) for s in slots]
 
   def body(index, carry):
     param, slots, (param_row, slot_rows) = carry
-    grad_row = lax.dynamic_index_in_dim(grads[i], index, 0, keepdims=False)
+    grad_row = lax.dynamic_index_in_dim(grads[i], index, axis, keepdims=False)
     update, new_slots = plan.run_group_row(i, state, params, cuts,
-                                           (grad_row, param_row, slot_rows), index, length)
-    put = lambda buf, r: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype), index, 0)
+                                           (grad_row, param_row, slot_rows), index, length, axis)
+    put = lambda buf, r: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype), index, axis)
     param = put(param, optax.apply_updates(param_row, update))
     slots = [put(s, r) for s, r in zip(slots, new_slots)]
     # Prefetch the next rows from the buffers just written: every read of a buffer then follows
@@ -255,9 +256,9 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   grad_leaves = plan.params_def.flatten_up_to(state.pending_grads)
   state_leaves = jax.tree.leaves(state.opt_state)
   in_loop = where.in_loop
-  params, opt_state, cuts = apply_pending(plan, params, state, where.rows, in_loop)
+  params, opt_state, cuts = apply_pending(plan, params, state, where.rows, in_loop, where.axes)
   pre = {i: _pre_update(plan, i, grad_leaves, state_leaves, param_leaves, cuts,
-                        state.has_pending) for i in in_loop}
+                        state.has_pending, where.axes) for i in in_loop}
   pending = jax.tree.unflatten(plan.params_def, grad_leaves)
   value, _, grads, updated = _backward.value_and_update(
       where.capture_plan, loss_fn, has_aux, params, pending, args, kwargs, update_params=False,
@@ -282,12 +283,17 @@ class Placement(NamedTuple):
     loop_plan: its loop plan: the leaves whose gradient rows a backward loop writes in place.
     in_loop: leaves updated row by row inside the forward loop that reads them.
     rows: other stacked leaves, updated row by row in place before the loss runs.
+    axes: leaf -> stacked axis of every stacked leaf.
   """
 
   capture_plan: _plan.UpdatePlan
   loop_plan: _loops.LoopPlan
   in_loop: frozenset[int]
   rows: frozenset[int]
+
+  @property
+  def axes(self) -> dict:
+    return self.loop_plan.stacked
 
 
 def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: ForwardState,
@@ -305,24 +311,23 @@ def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: Forwar
   capture_plan = _plan.make_plan(_capture(), params, pending)
   diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
   loop_plan = _loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs, diff)
+  axes = loop_plan.stacked  # every float leaf a scan reads as its stacked input, any length
   in_loop = frozenset(i for i in loop_plan.fused_leaves
-                      if plan.rowwise(i, state_leaves, param_leaves))
-  # Every float leaf that a scan consumes as its stacked input, whatever the loop's length.
-  stacked = frozenset(_loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs,
-                                     diff, fusible=lambda leaf, length: True).fused_leaves)
-  rows = frozenset(i for i in stacked - in_loop
-                   if i in diff and plan.rowwise(i, state_leaves, param_leaves))
+                      if plan.rowwise(i, state_leaves, param_leaves, axis=axes[i]))
+  rows = frozenset(i for i in set(axes) - in_loop
+                   if i in diff and plan.rowwise(i, state_leaves, param_leaves, axis=axes[i]))
   return Placement(capture_plan, loop_plan, in_loop, rows)
 
 
 def _pre_update(plan: _global.GlobalPlan, i: int, grads: list, state: list, params: list,
-                cuts: list, has_pending) -> _loops.PreUpdate:
+                cuts: list, has_pending, axes: dict) -> _loops.PreUpdate:
   """Leaf ``i``'s pending update as a ``PreUpdate``: row by row, inside the forward loop.
 
   The update reads the old state and params (``tx.update(g, state, params)``) and the cuts of
   this step's global stage; when nothing is pending the rows are kept as they are.
   """
-  group, length = plan.groups[i], jnp.shape(params[i])[0]
+  axis = axes.get(i, 0)
+  group, length = plan.groups[i], jnp.shape(params[i])[axis]
   grad_at, param_at = object(), object()
   slots_at = [object() for _ in group.state_outs]
   args, is_row = plan.row_inputs(i, state, params, cuts, (grad_at, param_at, slots_at))
@@ -335,7 +340,8 @@ def _pre_update(plan: _global.GlobalPlan, i: int, grads: list, state: list, para
     for at, row in [(grad_at, grad_row), (param_at, param_row), *zip(slots_at, slot_rows)]:
       if id(at) in places:
         args[places[id(at)]] = row
-    update, *new_slots = _rows.evaluate_rows(group.jaxpr, (), args, is_row, index, length)
+    update, *new_slots = _rows.evaluate_rows(group.jaxpr, (), args, is_row, index, length,
+                                             axis=axis)
     keep = lambda new, old: jnp.where(enabled, new.astype(old.dtype), old)
     return (keep(optax.apply_updates(param_row, update), param_row),
             [keep(new, old) for new, old in zip(new_slots, slot_rows)])

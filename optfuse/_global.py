@@ -146,43 +146,54 @@ class GlobalPlan(NamedTuple):
     used = list(zip(flat, is_row, group.reads, strict=True))
     return [x for x, _, r in used if r], [row for _, row, r in used if r]
 
-  def run_group_row(self, i: int, state, params, cuts, rows, index, length: int
+  def run_group_row(self, i: int, state, params, cuts, rows, index, length: int, axis: int = 0
                     ) -> tuple[Any, list[Any]]:
-    """Row ``index`` of ``run_group``'s ``(update, new_slots)`` from rows of leaf ``i``.
+    """Row ``index`` (along ``axis``) of ``run_group``'s ``(update, new_slots)`` from rows of
+    leaf ``i``.
 
     Raises:
       NotRowwise: the update combines rows of the stacked leaf.
     """
     args, is_row = self.row_inputs(i, state, params, cuts, rows)
-    out = _rows.evaluate_rows(self.groups[i].jaxpr, (), args, is_row, index, length)
+    out = _rows.evaluate_rows(self.groups[i].jaxpr, (), args, is_row, index, length, axis=axis)
     return out[0], list(out[1:])
 
-  def rowwise(self, i: int, state, params, stats: bool = False) -> bool:
-    """Whether leaf ``i`` is stacked (``(L, ...)`` with its state slots) and its update computes
-    row ``l`` from row ``l`` of its gradient, param and slots only (with ``stats``: and its
-    statistics are reductions whose rows combine, see ``run_stats_row``).
+  def row_refusal(self, i: int, state, params, stats: bool = False, axis: int = 0
+                  ) -> str | None:
+    """Why leaf ``i`` is not updated row by row along ``axis``, or ``None`` when it can be.
 
-    Below ``2 + slots`` rows the rows in flight cost more than the whole update, as for the
-    backward loops (``_loops.min_loop_length``).
+    It can when the leaf is stacked along ``axis`` with its state slots and its update
+    computes row ``l`` from row ``l`` of its gradient, param and slots only (with ``stats``:
+    and its statistics are reductions whose rows combine, see ``run_stats_row``). Below ``2 +
+    slots`` rows the rows in flight cost more than the whole update, as for the backward loops
+    (``_loops.min_loop_length``).
     """
     group, p = self.groups[i], params[i]
-    length = jnp.shape(p)[0] if jnp.ndim(p) else 0
-    if length < 2 + len(group.state_outs) or any(
-        jnp.shape(state[k])[:1] != (length,) for k in group.state_outs):
-      return False
-    row = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x))
+    shape = jnp.shape(p)
+    length = shape[axis] if len(shape) > axis else 0
+    if length < 2 + len(group.state_outs):
+      return (f"its loop has {length} iterations, fewer than the {2 + len(group.state_outs)} "
+              "from which updating row by row pays")
+    if any(jnp.ndim(state[k]) != len(shape) or jnp.shape(state[k])[axis] != length
+           for k in group.state_outs):
+      return "its optimizer state is not stacked like the param"
+    row = lambda x: jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1:], jnp.result_type(x))
     rows = (row(p), row(p), [row(state[k]) for k in group.state_outs])
     try:
       jax.eval_shape(lambda rows, cuts: self.run_group_row(i, state, params, cuts, rows, 0,
-                                                           length), rows, list(self.cuts))
+                                                           length, axis), rows, list(self.cuts))
       if stats and self.stats is not None:
         jax.eval_shape(lambda g: [v for v, _ in self.run_stats_row(i, g, state, params, 0,
-                                                                   length)], row(p))
-    except _rows.NotRowwise:
-      return False
-    return True
+                                                                   length, axis)], row(p))
+    except _rows.NotRowwise as e:
+      return f"its update mixes rows ({e})"
+    return None
 
-  def run_stats_row(self, i: int, grad_row, state, params, index, length: int
+  def rowwise(self, i: int, state, params, stats: bool = False, axis: int = 0) -> bool:
+    """Whether leaf ``i`` can be updated row by row along ``axis`` (``row_refusal``)."""
+    return self.row_refusal(i, state, params, stats, axis) is None
+
+  def run_stats_row(self, i: int, grad_row, state, params, index, length: int, axis: int = 0
                     ) -> list[tuple[Any, str]]:
     """Leaf ``i``'s statistics as ``(partial, reduction)`` pairs from one row of its gradient:
     combining the partials of every row with the reduction gives ``run_stats``.
@@ -198,7 +209,8 @@ class GlobalPlan(NamedTuple):
         self.num_state + n)
     used = list(zip(flat, is_row, self.stats.stat_reads[i], strict=True))
     args, rows = [x for x, _, r in used if r], [row for _, row, r in used if r]
-    return _rows.evaluate_row_reductions(self.stats.stat_jaxprs[i], args, rows, index, length)
+    return _rows.evaluate_row_reductions(self.stats.stat_jaxprs[i], args, rows, index, length,
+                                         axis=axis)
 
   def run_stats(self, i: int, grad, state, params) -> list[Any]:
     """Leaf ``i``'s statistics from its gradient (a plan built with ``two_pass=True``)."""
@@ -246,15 +258,8 @@ def _read(env: dict, atom):
 
 def _callee(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
   """The body and its constants of a call-like equation whose body takes the same operands."""
-  name = _jaxpr._CALL_JAXPR_PARAMS.get(eqn.primitive.name)
-  if name is None or name not in eqn.params:
-    return None
-  body = eqn.params[name]
-  jaxpr, consts = (body.jaxpr, list(body.consts)) if isinstance(body, jcore.ClosedJaxpr) else (
-      body, [])
-  if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.constvars) != len(consts):
-    return None
-  return jaxpr, consts
+  body = _jaxpr.call_body(eqn)
+  return None if body is None else (body.jaxpr, list(body.consts))
 
 
 def _make_jaxpr(constvars, invars, outvars, eqns) -> jcore.Jaxpr:
@@ -299,7 +304,7 @@ class _Flattener:
       callee = _callee(eqn)
       if callee is not None:
         outs = self.inline(*callee, invars)
-      elif eqn.primitive.name == "cond" and not eqn.effects:
+      elif eqn.primitive is primitives.cond_p and not eqn.effects:
         outs = self.cond(eqn.replace(invars=invars))
       else:
         outs = [v if isinstance(v, jcore.DropVar) else jcore.Var(v.aval) for v in eqn.outvars]

@@ -12,30 +12,31 @@ from typing import Any
 
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: DCE through cond/calls
 from jax.extend import core as jcore
+from jax.extend.core import primitives as P
 
 Deps = frozenset
 
-# Higher-order primitives whose body is a single closed jaxpr taking the same operands as the
-# equation itself: dependencies are followed through the body exactly.
-_CALL_JAXPR_PARAMS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat": "jaxpr",
-    "checkpoint": "jaxpr",
+# Higher-order primitives whose body is a single jaxpr taking the same operands as the equation
+# itself, with the name of the param that holds it: dependencies are followed through the body
+# exactly, and the row evaluator and the loss interpreter evaluate the body on their own values.
+CALL_PRIMITIVES: dict[jcore.Primitive, str] = {
+    P.jit_p: "jaxpr",
+    P.closed_call_p: "call_jaxpr",
+    P.call_p: "call_jaxpr",
+    P.remat_p: "jaxpr",
+    P.custom_jvp_call_p: "call_jaxpr",
+    P.custom_vjp_call_p: "call_jaxpr",
 }
 
 
-def _inner_jaxpr(eqn: jcore.JaxprEqn) -> jcore.Jaxpr | None:
-  name = _CALL_JAXPR_PARAMS.get(eqn.primitive.name)
-  if name is None or name not in eqn.params:
+def call_body(eqn: jcore.JaxprEqn) -> jcore.ClosedJaxpr | None:
+  """The body of a call-like equation (``CALL_PRIMITIVES``) as a closed jaxpr, else ``None``."""
+  name = CALL_PRIMITIVES.get(eqn.primitive)
+  inner = None if name is None else eqn.params.get(name)
+  if inner is None:
     return None
-  inner = eqn.params[name]
-  return inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+  body = inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, ())
+  return body if len(body.jaxpr.invars) == len(eqn.invars) else None
 
 
 def _read_deps(env: dict, atom: Any) -> Deps:
@@ -46,10 +47,10 @@ def _read_deps(env: dict, atom: Any) -> Deps:
 
 def _equation_dependencies(eqn: jcore.JaxprEqn, ins: list[Deps]) -> list[Deps]:
   """Labels of ``eqn``'s outputs from the labels of its inputs."""
-  inner = _inner_jaxpr(eqn)
-  if inner is not None and len(inner.invars) == len(ins):
-    return output_dependencies(inner, ins)
-  if eqn.primitive.name == "cond":
+  body = call_body(eqn)
+  if body is not None:
+    return output_dependencies(body.jaxpr, ins)
+  if eqn.primitive is P.cond_p:
     index, ops = ins[0], ins[1:]
     branch_outs = [output_dependencies(b.jaxpr, ops) for b in eqn.params["branches"]]
     return [index.union(*col) for col in zip(*branch_outs)]

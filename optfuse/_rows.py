@@ -1,139 +1,277 @@
-"""Row evaluation: run a leaf's update on one slice of a stacked leaf.
+"""Row evaluation: run a computation on one slice of a stacked leaf.
 
-A scanned model stores its layers stacked: a leaf of shape ``(L, ...)`` whose row ``l`` belongs to
-layer ``l``. Inside the backward loop only one row of the gradient exists at a time, so the fused
-update must compute row ``l`` of the new param and state from row ``l`` of the gradient, param and
-state. That is exact only when the update never mixes rows: Adam does not, LAMB's trust ratio (a
-norm over the whole leaf) and Adafactor's factored moments over the stacked axis do.
+A scanned model stores its layers stacked: a leaf of shape ``(..., L, ...)`` whose slice ``l``
+along its *stacked axis* belongs to layer ``l`` (axis 0 for ``lax.scan`` over the leaf, axis 1
+for MaxText's ``nn.scan(variable_axes={"params": 1})``). Inside the backward loop only one row
+of the gradient exists at a time, so the fused update must compute row ``l`` of the new param and
+state from row ``l`` of the gradient, param and state. That is exact only when the update never
+mixes rows: Adam does not, LAMB's trust ratio (a norm over the whole leaf) and Adafactor's
+factored moments over the stacked axis do.
 
-``evaluate_rows`` interprets the leaf's update jaxpr on row slices, rewriting the shape parameters
-of each equation (``broadcast_in_dim``, ``reduce_sum`` axes, ``dot_general`` dimensions...). Any
-equation that would combine different rows raises ``NotRowwise``. Running it abstractly (under
-``jax.eval_shape``) is the static test of whether a leaf can be updated inside the loop, and by
-construction it accepts exactly what it can evaluate.
+``evaluate_rows`` interprets a jaxpr on rows. Each value is either full or a ``_Row``: the slice
+of a stacked value at one index, with the position its stacked axis had. A row rule
+(``ROW_RULES``, keyed by primitive) rewrites an equation's shape parameters for rows
+(``broadcast_in_dim`` shapes, reduction axes, ``dot_general`` dimensions...) and says where the
+stacked axis of each output is; an equation that would combine different rows raises
+``NotRowwise``. Running it abstractly (under ``jax.eval_shape``) is the static test of whether a
+leaf can be updated inside the loop, and by construction it accepts exactly what it can evaluate.
+The same rules move the row-preserving operations between a stored param and a scan (a dtype
+cast, ``moveaxis``) into the loop body (``apply_path``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 from jax.extend import core as jcore
+from jax.extend.core import primitives as P
 
-from optfuse._jaxpr import _inner_jaxpr
+from optfuse._jaxpr import call_body
 
 
 class NotRowwise(Exception):
   """The computation combines different rows of a stacked leaf."""
 
 
-_ELEMENTWISE = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type copy
-copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag integer_pow
-is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or polygamma pow
-reduce_precision real rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh
-xor square population_count shift_left shift_right_arithmetic shift_right_logical
-""".split())
+class RowParams(NamedTuple):
+  """How an equation runs on rows.
 
-_REDUCTIONS = frozenset(
-    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
-_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+  Attributes:
+    params: the equation's params for row operands (``None``: the equation is the identity
+      on rows, e.g. a sharding constraint the row cannot keep).
+    full_axes: per input given whole, the axis along which to slice it to the row (``None``:
+      pass it whole).
+    out_axes: per output, the position of its stacked axis.
+  """
+
+  params: dict | None
+  full_axes: tuple[int | None, ...]
+  out_axes: tuple[int, ...]
+
+
+# A row rule: ``rule(eqn, axes, length) -> RowParams``; ``axes[i]`` is the stacked axis of
+# input ``i`` if it is a row, else ``None``. It raises ``NotRowwise`` when rows would mix.
+RowRule = Callable[[jcore.JaxprEqn, Sequence[Any], int], RowParams]
+
+
+def _drop(axes: Sequence[int], a: int) -> tuple[int, ...]:
+  """Axis numbers of a value without its axis ``a``."""
+  return tuple(x - (x > a) for x in axes if x != a)
+
+
+def _shape(v) -> tuple[int, ...]:
+  return tuple(getattr(v, "aval", v).shape)
+
+
+def _clear(params: dict, *keys: str) -> dict:
+  return {**params, **{k: None for k in keys if params.get(k) is not None}}
+
+
+def _elementwise(eqn, axes, length):
+  row_axes = {a for a in axes if a is not None}
+  if len(row_axes) != 1:
+    raise NotRowwise(f"{eqn.primitive.name} of rows stacked on different axes")
+  (a,) = row_axes
+  full = []
+  for v, ax in zip(eqn.invars, axes):
+    shape = _shape(v)
+    if ax is not None or not shape:
+      full.append(None)
+    elif len(shape) > a and shape[a] == length:
+      full.append(a)
+    else:
+      raise NotRowwise(f"a value of shape {shape} meets a row of a stacked leaf of length "
+                       f"{length}")
+  return RowParams(_clear(dict(eqn.params), "sharding"), tuple(full), (a,) * len(eqn.outvars))
+
+
+def _unary(eqn, axes) -> int:
+  if len(axes) != 1 or axes[0] is None:
+    raise NotRowwise(f"{eqn.primitive.name} with extra operands")
+  return axes[0]
+
+
+def _broadcast_in_dim(eqn, axes, length):
+  a = _unary(eqn, axes)
+  dims, shape = eqn.params["broadcast_dimensions"], eqn.params["shape"]
+  b = dims[a]
+  if shape[b] != length:
+    raise NotRowwise("broadcast_in_dim of the stacked axis")
+  params = dict(eqn.params, shape=shape[:b] + shape[b + 1:],
+                broadcast_dimensions=tuple(d - (d > b) for i, d in enumerate(dims) if i != a))
+  return RowParams(_clear(params, "sharding"), (None,), (b,))
+
+
+def _reshape(eqn, axes, length):
+  a = _unary(eqn, axes)
+  in_shape, out_shape = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+  if eqn.params.get("dimensions") is not None:
+    raise NotRowwise("reshape with a transposition")
+  before = math.prod(in_shape[:a])
+  for b in range(len(out_shape)):
+    if math.prod(out_shape[:b]) == before and out_shape[b] == length:
+      params = dict(eqn.params, new_sizes=out_shape[:b] + out_shape[b + 1:])
+      return RowParams(_clear(params, "sharding"), (None,), (b,))
+  raise NotRowwise(f"reshape {in_shape} -> {out_shape} merges the stacked axis")
+
+
+def _transpose(eqn, axes, length):
+  del length
+  a = _unary(eqn, axes)
+  perm = eqn.params["permutation"]
+  return RowParams(dict(eqn.params, permutation=tuple(p - (p > a) for p in perm if p != a)),
+                   (None,), (perm.index(a),))
+
+
+def _reduction(eqn, axes, length):
+  del length
+  a = _unary(eqn, axes)
+  red = eqn.params["axes"]
+  if a in red:
+    raise NotRowwise(f"{eqn.primitive.name} over the stacked axis")
+  params = _clear(dict(eqn.params, axes=_drop(red, a)), "out_sharding")
+  return RowParams(params, (None,), (a - sum(x < a for x in red),) * len(eqn.outvars))
+
+
+def _squeeze(eqn, axes, length):
+  del length
+  a = _unary(eqn, axes)
+  dims = eqn.params["dimensions"]
+  if a in dims:
+    raise NotRowwise("squeeze of the stacked axis")
+  return RowParams(dict(eqn.params, dimensions=_drop(dims, a)), (None,),
+                   (a - sum(d < a for d in dims),))
+
+
+def _along(key: str) -> RowRule:
+  """A rule for an equation that works along the axis ``params[key]`` and keeps the others
+  (cumulative reductions, ``concatenate``, ``split``)."""
+  def rule(eqn, axes, length):
+    base = _elementwise(eqn, axes, length) if len(axes) > 1 else None
+    a = base.out_axes[0] if base else _unary(eqn, axes)
+    d = eqn.params[key]
+    if d == a:
+      raise NotRowwise(f"{eqn.primitive.name} along the stacked axis")
+    full = base.full_axes if base else (None,)
+    return RowParams(dict(eqn.params, **{key: d - (d > a)}), full, (a,) * len(eqn.outvars))
+
+  return rule
+
+
+def _slice(eqn, axes, length):
+  a = _unary(eqn, axes)
+  start, limit, strides = (eqn.params["start_indices"], eqn.params["limit_indices"],
+                           eqn.params["strides"])
+  if start[a] != 0 or limit[a] != length or (strides is not None and strides[a] != 1):
+    raise NotRowwise("slice of the stacked axis")
+  cut = lambda xs: None if xs is None else tuple(x for i, x in enumerate(xs) if i != a)
+  return RowParams(dict(eqn.params, start_indices=cut(start), limit_indices=cut(limit),
+                        strides=cut(strides)), (None,), (a,))
+
+
+def _sharding_constraint(eqn, axes, length):
+  del length
+  a = _unary(eqn, axes)
+  sharding = eqn.params["sharding"]
+  spec = getattr(sharding, "spec", None)
+  if spec is None or eqn.params.get("layout") is not None:
+    return RowParams(None, (None,), (a,))  # a hint the row cannot keep: the identity
+  row_spec = jax.sharding.PartitionSpec(*[s for i, s in enumerate(spec) if i != a])
+  unconstrained = frozenset(_drop(sorted(eqn.params.get("unconstrained_dims", ())), a))
+  params = dict(eqn.params, sharding=jax.sharding.NamedSharding(sharding.mesh, row_spec),
+                unconstrained_dims=unconstrained)
+  return RowParams(params, (None,), (a,))
+
+
+def _dot_general(eqn, axes, length):
+  del length
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  al, ar = axes
+  lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+  lhs_free = [d for d in range(lhs_rank) if d not in lc and d not in lb]
+  rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
+  if al is not None and ar is not None:
+    if al not in lb or ar not in rb or lb.index(al) != rb.index(ar):
+      raise NotRowwise("dot_general contracting the stacked axis")
+    k = lb.index(al)
+    dims = ((_drop(lc, al), _drop(rc, ar)), (_drop(lb, al), _drop(rb, ar)))
+    out = k
+  elif al is not None:
+    if al not in lhs_free:
+      raise NotRowwise("dot_general contracting the stacked axis")
+    dims, out = ((_drop(lc, al), rc), (_drop(lb, al), rb)), len(lb) + lhs_free.index(al)
+  else:
+    if ar not in rhs_free:
+      raise NotRowwise("dot_general contracting the stacked axis")
+    dims = ((lc, _drop(rc, ar)), (lb, _drop(rb, ar)))
+    out = len(lb) + len(lhs_free) + rhs_free.index(ar)
+  params = _clear(dict(eqn.params, dimension_numbers=dims), "out_sharding")
+  return RowParams(params, (None, None), (out,))
+
+
+_ELEMENTWISE = (
+    "abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz "
+    "complex conj convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 "
+    "expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt "
+    "max min mul ne neg nextafter not or polygamma population_count pow real reduce_precision rem "
+    "round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt "
+    "square stop_gradient sub tan tanh xor zeta").split()
+_REDUCTIONS = ("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
+               "argmax argmin").split()
+
+ROW_RULES: dict[jcore.Primitive, RowRule] = {
+    **{getattr(P, f"{name}_p"): _elementwise for name in _ELEMENTWISE if hasattr(P, f"{name}_p")},
+    **{getattr(P, f"{name}_p"): _reduction for name in _REDUCTIONS},
+    **{getattr(P, f"{name}_p"): _along("axis")
+       for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
+    P.broadcast_in_dim_p: _broadcast_in_dim,
+    P.reshape_p: _reshape,
+    P.transpose_p: _transpose,
+    P.squeeze_p: _squeeze,
+    P.slice_p: _slice,
+    P.concatenate_p: _along("dimension"),
+    P.dot_general_p: _dot_general,
+    P.sharding_constraint_p: _sharding_constraint,
+}
+
+# Equations that keep each row of their one operand a row of their output: the operations that
+# may stand between a stored stacked param and the scan that reads it (``apply_path``).
+PATH_PRIMITIVES = frozenset([
+    P.convert_element_type_p, P.copy_p, P.reduce_precision_p, P.transpose_p, P.reshape_p,
+    P.squeeze_p, P.broadcast_in_dim_p, P.sharding_constraint_p,
+])
+
+# Reductions whose value over all rows is the same reduction of their values on each row.
+ROW_COMBINE = {
+    "reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.min,
+    "reduce_and": lax.bitwise_and, "reduce_or": lax.bitwise_or,
+}
+
+
+def row_params(eqn: jcore.JaxprEqn, axes: Sequence[int | None], length: int) -> RowParams:
+  """How ``eqn`` runs when the inputs with an axis in ``axes`` are rows.
+
+  Raises:
+    NotRowwise: the equation combines different rows, or has no row rule.
+  """
+  rule = ROW_RULES.get(eqn.primitive)
+  if rule is None:
+    raise NotRowwise(f"{eqn.primitive.name} has no row rule")
+  return rule(eqn, list(axes), length)
 
 
 class _Row:
-  """A value known only as its row ``index`` of a stacked ``(length, ...)`` array."""
+  """A value known only as its row ``index`` of a stacked array, stacked along ``axis``."""
 
-  __slots__ = ("value",)
+  __slots__ = ("value", "axis")
 
-  def __init__(self, value):
+  def __init__(self, value, axis: int):
     self.value = value
-
-
-def _shape(x) -> tuple[int, ...]:
-  return tuple(x.value.shape if isinstance(x, _Row) else jax.numpy.shape(x))
-
-
-def _take_row(x, index, length: int):
-  """Row ``index`` of a full value broadcast against rows (rank-0 values stay whole)."""
-  if isinstance(x, _Row):
-    return x.value
-  shape = jax.numpy.shape(x)
-  if not shape:
-    return x
-  if shape[0] != length:
-    raise NotRowwise(f"a value of shape {shape} meets a row of a stacked leaf of length {length}")
-  return lax.dynamic_index_in_dim(x, index, 0, keepdims=False)
-
-
-def _row_params(eqn: jcore.JaxprEqn, rows: Sequence[bool], length: int) -> dict:
-  """The equation's params rewritten for row inputs; raises NotRowwise if rows would mix."""
-  name, params = eqn.primitive.name, dict(eqn.params)
-  if name in _ELEMENTWISE:
-    return params
-  (operand_is_row, *_) = rows
-  if name == "broadcast_in_dim":
-    dims = params["broadcast_dimensions"]
-    if not dims or dims[0] != 0 or params["shape"][0] != length:
-      raise NotRowwise(name)
-    params["shape"] = tuple(params["shape"][1:])
-    params["broadcast_dimensions"] = tuple(d - 1 for d in dims[1:])
-    if params.get("sharding") is not None:
-      params["sharding"] = None
-    return params
-  if name == "reshape":
-    in_shape = eqn.invars[0].aval.shape
-    if not in_shape or in_shape[0] != length or params["new_sizes"][0] != length or params.get(
-        "dimensions") is not None:
-      raise NotRowwise(name)
-    params["new_sizes"] = tuple(params["new_sizes"][1:])
-    if params.get("sharding") is not None:
-      params["sharding"] = None
-    return params
-  if name == "transpose":
-    perm = params["permutation"]
-    if perm[0] != 0:
-      raise NotRowwise(name)
-    params["permutation"] = tuple(p - 1 for p in perm[1:])
-    return params
-  if name in _REDUCTIONS:
-    if 0 in params["axes"]:
-      raise NotRowwise(name)
-    params["axes"] = tuple(a - 1 for a in params["axes"])
-    if params.get("out_sharding") is not None:
-      params["out_sharding"] = None
-    return params
-  if name == "squeeze":
-    if 0 in params["dimensions"]:
-      raise NotRowwise(name)
-    params["dimensions"] = tuple(d - 1 for d in params["dimensions"])
-    return params
-  if name in _CUMULATIVE:
-    if params["axis"] == 0:
-      raise NotRowwise(name)
-    params["axis"] -= 1
-    return params
-  if name in ("concatenate", "split"):
-    key = "dimension" if name == "concatenate" else "axis"
-    if params[key] == 0:
-      raise NotRowwise(name)
-    params[key] -= 1
-    return params
-  if name == "dot_general":
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lhs_row, rhs_row = rows
-    if params.get("out_sharding") is not None:
-      params["out_sharding"] = None
-    if lhs_row and rhs_row and lb and lb[0] == 0 and rb[0] == 0:
-      dec = lambda ds: tuple(d - 1 for d in ds)
-      params["dimension_numbers"] = ((dec(lc), dec(rc)), (dec(lb[1:]), dec(rb[1:])))
-      return params
-    if lhs_row and not rhs_row and not lb and 0 not in lc:
-      params["dimension_numbers"] = ((tuple(d - 1 for d in lc), rc), (lb, rb))
-      return params
-    raise NotRowwise(name)
-  raise NotRowwise(f"{name} has no row rule")
+    self.axis = axis
 
 
 class _Partial:
@@ -147,15 +285,101 @@ class _Partial:
     self.reduction = reduction
 
 
-# Reductions whose value over all rows is the same reduction of their values on each row.
-ROW_COMBINE = {
-    "reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.min,
-    "reduce_and": lax.bitwise_and, "reduce_or": lax.bitwise_or,
-}
+def take_row(x, index, length: int, axis: int = 0):
+  """Row ``index`` along ``axis`` of a full value (rank-0 values stay whole)."""
+  shape = jax.numpy.shape(x)
+  if not shape:
+    return x
+  if len(shape) <= axis or shape[axis] != length:
+    raise NotRowwise(f"a value of shape {shape} meets a row of a stacked leaf of length {length}")
+  return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
+
+
+def _bind_rows(eqn: jcore.JaxprEqn, ins: list, index, length: int) -> list:
+  """``eqn`` on inputs some of which are ``_Row``s; its outputs as ``_Row``s."""
+  how = row_params(eqn, [x.axis if isinstance(x, _Row) else None for x in ins], length)
+  vals = [x.value if isinstance(x, _Row) else x if a is None else take_row(x, index, length, a)
+          for x, a in zip(ins, how.full_axes)]
+  if how.params is None:
+    outs = vals[:1]
+  else:
+    outs = eqn.primitive.bind(*vals, **how.params)
+    outs = outs if eqn.primitive.multiple_results else [outs]
+  return [_Row(o, a) for o, a in zip(outs, how.out_axes)]
+
+
+def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], index,
+              length: int, partial: bool) -> list[Any]:
+  """The outputs of ``jaxpr`` as they are internally: ``_Row``, ``_Partial`` (with
+  ``partial``: a reduction over the stacked axis) or full values."""
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = a
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if any(isinstance(x, _Partial) for x in ins):
+      raise NotRowwise(f"{name} of a reduction over the stacked axis")
+    row = ins[0] if ins and isinstance(ins[0], _Row) else None
+    body = call_body(eqn)
+    if not any(isinstance(x, _Row) for x in ins):
+      outs = eqn.primitive.bind(*ins, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    elif body is not None:
+      outs = _evaluate(body.jaxpr, body.consts, ins, index, length, partial)
+    elif partial and name in ROW_COMBINE and row is not None and row.axis in eqn.params["axes"]:
+      params = _clear(dict(eqn.params, axes=_drop(eqn.params["axes"], row.axis)), "out_sharding")
+      outs = [_Partial(eqn.primitive.bind(row.value, **params), name)]
+    else:
+      outs = _bind_rows(eqn, ins, index, length)
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _wrap(args: Sequence[Any], is_row: Sequence[bool], axis: int) -> list:
+  return [_Row(a, axis) if r else a for a, r in zip(args, is_row)]
+
+
+def evaluate_rows(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+                  is_row: Sequence[bool], index, length: int, *, axis: int = 0) -> list[Any]:
+  """Evaluates ``jaxpr`` where the inputs flagged in ``is_row`` are given as row ``index``.
+
+  Args:
+    jaxpr: an open jaxpr traced on full stacked shapes.
+    consts: its constants.
+    args: its inputs; row inputs are row slices, others full values (``None`` if unread).
+    is_row: which inputs are rows.
+    index: the row index (a traced integer is fine).
+    length: the number of rows.
+    axis: the stacked axis of the row inputs and of every output.
+
+  Returns:
+    The outputs as rows.
+
+  Raises:
+    NotRowwise: some equation combines different rows, or an output is stacked along another
+      axis than the inputs.
+  """
+  outs = _evaluate(jaxpr, consts, _wrap(args, is_row, axis), index, length, partial=False)
+  rows = []
+  for o in outs:
+    if isinstance(o, _Partial):
+      raise NotRowwise("an output reduces over the stacked axis")
+    if isinstance(o, _Row) and o.axis != axis:
+      raise NotRowwise("an output moves the stacked axis")
+    rows.append(o.value if isinstance(o, _Row) else take_row(o, index, length, axis))
+  return rows
 
 
 def evaluate_row_reductions(jaxpr: jcore.Jaxpr, args: Sequence[Any], is_row: Sequence[bool],
-                            index, length: int) -> list[tuple[Any, str]]:
+                            index, length: int, *, axis: int = 0) -> list[tuple[Any, str]]:
   """Evaluates ``jaxpr``, whose outputs are reductions over whole stacked leaves, on one row.
 
   Args:
@@ -166,6 +390,7 @@ def evaluate_row_reductions(jaxpr: jcore.Jaxpr, args: Sequence[Any], is_row: Seq
     is_row: which inputs are rows.
     index: the row index.
     length: the number of rows.
+    axis: the stacked axis of the row inputs.
 
   Returns:
     Per output, ``(partial, reduction)``: its value on this row and the name of the reduction
@@ -174,80 +399,38 @@ def evaluate_row_reductions(jaxpr: jcore.Jaxpr, args: Sequence[Any], is_row: Seq
   Raises:
     NotRowwise: an output is not such a reduction, or a reduced value is used further.
   """
-  outs = _evaluate(jaxpr, (), args, is_row, index, length, partial=True)
+  outs = _evaluate(jaxpr, (), _wrap(args, is_row, axis), index, length, partial=True)
   if not all(isinstance(o, _Partial) for o in outs):
     raise NotRowwise("a statistic that is not a reduction over the stacked axis")
   return [(o.value, o.reduction) for o in outs]
 
 
-def evaluate_rows(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-                  is_row: Sequence[bool], index, length: int, *, tagged: bool = False) -> list[Any]:
-  """Evaluates ``jaxpr`` where the inputs flagged in ``is_row`` are given as row ``index``.
-
-  Args:
-    jaxpr: an open jaxpr traced on full stacked shapes.
-    consts: its constants.
-    args: its inputs; row inputs are row slices, others full values (``None`` if unread).
-    is_row: which inputs are rows.
-    index: the row index (a traced integer is fine).
-    length: the number of rows.
-    tagged: return outputs as they are internally (rows wrapped, full values bare) instead of
-      taking the row of every output.
-
-  Returns:
-    The outputs as rows.
+def path_axis(path: Sequence[jcore.JaxprEqn], axis: int, length: int) -> int:
+  """Where the stacked axis ``axis`` of a stored leaf is after the equations of ``path``.
 
   Raises:
-    NotRowwise: some equation combines different rows.
+    NotRowwise: an equation of the path mixes rows.
   """
-  outs = _evaluate(jaxpr, consts, args, is_row, index, length, partial=False)
-  if tagged:
-    return outs
-  return [_take_row(o, index, length) for o in outs]
+  for eqn in path:
+    (axis,) = row_params(eqn, [axis], length).out_axes
+  return axis
 
 
-def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-              is_row: Sequence[bool], index, length: int, partial: bool) -> list[Any]:
-  """The outputs of ``jaxpr`` as they are internally: ``_Row``, ``_Partial`` (with
-  ``partial``: a reduction over the stacked axis) or full values."""
-  env: dict = {}
+def apply_path(path: Sequence[jcore.JaxprEqn], row, axis: int, index, length: int):
+  """Row ``index`` of the value ``path`` computes from a stored leaf, from that leaf's row.
 
-  def read(v):
-    return v.val if isinstance(v, jcore.Literal) else env[v]
+  Args:
+    path: unary row-preserving equations (``PATH_PRIMITIVES``), applied in order.
+    row: the stored leaf's row (its stacked axis ``axis`` removed).
+    axis: the stacked axis of the stored leaf.
+    index: the row index.
+    length: the number of rows.
 
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c
-  for v, a, r in zip(jaxpr.invars, args, is_row):
-    env[v] = _Row(a) if r else a
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    rows = [isinstance(x, _Row) for x in ins]
-    name = eqn.primitive.name
-    if any(isinstance(x, _Partial) for x in ins):
-      raise NotRowwise(f"{name} of a reduction over the stacked axis")
-    if partial and name in ROW_COMBINE and rows[0] and 0 in eqn.params["axes"]:
-      params = dict(eqn.params, axes=tuple(a - 1 for a in eqn.params["axes"] if a))
-      if params.get("out_sharding") is not None:
-        params["out_sharding"] = None
-      env[eqn.outvars[0]] = _Partial(eqn.primitive.bind(ins[0].value, **params), name)
-      continue
-    if not any(rows):
-      outs = eqn.primitive.bind(*ins, **eqn.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    else:
-      inner = _inner_jaxpr(eqn)
-      if inner is not None:
-        inner_consts = getattr(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")), "consts", ())
-        vals = [x.value if isinstance(x, _Row) else x for x in ins]
-        outs = _evaluate(inner, inner_consts, vals, rows, index, length, partial)
-      else:
-        params = _row_params(eqn, rows, length)
-        if eqn.primitive.name in _ELEMENTWISE or eqn.primitive.name in ("concatenate",):
-          vals = [_take_row(x, index, length) for x in ins]
-        else:
-          vals = [x.value if isinstance(x, _Row) else x for x in ins]
-        outs = eqn.primitive.bind(*vals, **params)
-        outs = [_Row(o) for o in (outs if eqn.primitive.multiple_results else [outs])]
-    for v, o in zip(eqn.outvars, outs):
-      env[v] = o
-  return [read(v) for v in jaxpr.outvars]
+  Returns:
+    The row of the path's output.
+  """
+  x = _Row(row, axis)
+  for eqn in path:
+    with eqn.ctx.manager:
+      (x,) = _bind_rows(eqn, [x], index, length)
+  return x.value

@@ -93,13 +93,14 @@ class _Updater:
   def readonly(self, i: int) -> None:
     del i  # the rows read the whole state and params from here, not from the loop's inputs
 
-  def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int):
+  def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int,
+                 axis: int = 0):
     del readonly
     return self.plan.run_group_row(i, self.state, self.params, self.cuts,
-                                   (grad_row, param_row, slot_rows), index, length)
+                                   (grad_row, param_row, slot_rows), index, length, axis)
 
-  def row_stats(self, i: int, grad_row, index, length: int):
-    return self.plan.run_stats_row(i, grad_row, self.state, self.params, index, length)
+  def row_stats(self, i: int, grad_row, index, length: int, axis: int = 0):
+    return self.plan.run_stats_row(i, grad_row, self.state, self.params, index, length, axis)
 
 
 def _with_extra(grad, extra):
@@ -150,9 +151,10 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   updater = _Updater(plan, state_leaves, param_leaves, extra)
   # A scanned leaf is updated inside the backward loop when its rows can be reduced to its
   # statistics one at a time and updated one at a time; otherwise it gets a tap.
-  fusible = lambda leaf, length: plan.rowwise(leaf, state_leaves, param_leaves, stats=True)
+  refuse = lambda leaf, length, axis: plan.row_refusal(leaf, state_leaves, param_leaves,
+                                                      stats=True, axis=axis)
   loop_plan = _loops.analyze(loss_fn, plan, params, state_leaves, args, kwargs, diff,
-                             fusible=fusible)
+                             refuse=refuse, remat_problem=_loops.REMAT_TWO_PASS)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
 
   def slots_of(i):

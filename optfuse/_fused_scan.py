@@ -1,0 +1,441 @@
+"""The fused scan: a ``scan`` over stacked params whose backward loop updates them in place.
+
+``fused_scan`` binds one ``scan`` equation of the loss as a ``jax.custom_vjp``:
+
+* the forward loop runs the body's VJP and stacks only the residuals that are neither inputs of
+  the iteration (param rows, constants, with ``jax.checkpoint`` on the body: everything but the
+  carries) nor computed from the constants alone (a causal mask, rotary tables: computed once,
+  not once per layer), as JAX's own scan partial evaluation does;
+* iteration ``l`` of the backward loop recomputes the body's VJP, takes row ``l`` of the
+  gradient and runs the leaf's update on row ``l`` of the param and optimizer state (the
+  updater's ``row_update``), writing the new rows into the param and state buffers themselves
+  with ``dynamic_update_slice``;
+* the rows of the next iteration are read from the buffers just written (prefetch): every read
+  of a buffer then depends on its write, and XLA needs no copy of the stacked buffers (an
+  unordered read of old ``mu`` next to the in-place write of ``mu`` makes it copy the whole
+  buffer every iteration).
+
+A stacked param may reach the scan through row-preserving operations (a dtype cast, a
+``moveaxis``: its ``path``): they move into the loop body, so the body reads row ``l`` of the
+stored param along its stored axis, and the update runs on the stored row in the stored dtype.
+
+The updater (a mode's engine: ``_backward.LeafUpdater``, ``_two_pass._Updater``) provides
+``row_update(leaf, grad_row, param_row, slot_rows, readonly, index, length, axis)``, ``readonly``,
+``fired`` (a set the rule adds each leaf to at trace time), ``update_params``, ``extra``
+(gradients added to each row), ``stage`` and, for two-pass, ``row_stats`` and
+``stat_inputs``; forward fusion hands in ``pre_updates`` (see ``PreUpdate``) and reads
+``pre_results``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from optfuse import _jaxpr, _rows
+
+
+class Site(NamedTuple):
+  """A scan equation whose scanned inputs at ``positions`` are the param leaves ``leaves``.
+
+  Attributes:
+    positions: indices among the scan's scanned inputs.
+    leaves: the param leaf read at each position.
+    axes: the stacked axis of each stored leaf.
+    paths: the row-preserving equations between each stored leaf and the scan.
+  """
+
+  positions: tuple[int, ...]
+  leaves: tuple[int, ...]
+  axes: tuple[int, ...]
+  paths: tuple[tuple[jcore.JaxprEqn, ...], ...]
+
+
+class PreUpdate(NamedTuple):
+  """An update applied to each row of a stacked leaf in the forward iteration that reads it.
+
+  Forward fusion (``_forward``) updates a scanned layer's params just before the layer runs:
+  iteration ``l`` of the loop computes row ``l`` of the new param and optimizer state from row
+  ``l`` of the pending gradient, writes them in place, and runs the layer on the new row.
+
+  Attributes:
+    grads: the stacked pending gradient of the leaf (read row by row).
+    slots: the leaf's stacked optimizer-state slots, updated in place row by row.
+    operands: a pytree of arrays ``row_fn`` reads whole (shared state, global cuts...).
+    row_fn: ``row_fn(grad_row, param_row, slot_rows, operands, index) -> (param_row,
+      slot_rows)``, the new rows of the param and of the slots.
+  """
+
+  grads: Any
+  slots: tuple
+  operands: Any
+  row_fn: Any
+
+
+def _is_float_aval(v) -> bool:
+  return jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+def _split(values, mask):
+  return [v for v, m in zip(values, mask) if m], [v for v, m in zip(values, mask) if not m]
+
+
+def _merge(selected, others, mask):
+  it_s, it_o = iter(selected), iter(others)
+  return [next(it_s) if m else next(it_o) for m in mask]
+
+
+def row_at(x, index, axis: int = 0):
+  return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
+
+
+def write_row(buf, row, index, axis: int = 0):
+  return lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), index, axis)
+
+
+class _Residuals(NamedTuple):
+  """Where each residual of the body's VJP comes from in iteration ``l`` of the backward.
+
+  Attributes:
+    treedef: treedef of the VJP function (its leaves are the residuals).
+    sources: per residual, ``("input", k)`` for the ``k``-th flat input of the body's float
+      VJP (constants, carry, param rows after their path, other scanned rows), ``("saved",
+      j)`` for the ``j``-th residual the forward loop stacks, or ``("invariant", j)`` for the
+      ``j``-th residual computed from the constants alone (computed once, before the loop).
+    needs_carry: whether some residual is a carry input (then the forward stacks the carries).
+  """
+
+  treedef: Any
+  sources: tuple[tuple[str, int], ...]
+  needs_carry: bool
+
+
+class _Body(NamedTuple):
+  """The scan's body as the fused loops call it: its VJP on one iteration's rows."""
+
+  eqn: jcore.JaxprEqn
+  site: Site
+  is_param_x: list
+  fc: list
+  fk: list
+  fxo: list
+  fout: list
+
+  @property
+  def length(self) -> int:
+    return self.eqn.params["length"]
+
+  def body_rows(self, p_rows, index):
+    """The body's inputs for the stored param rows: each row through its path."""
+    return [_rows.apply_path(path, r, axis, index, self.length)
+            for r, path, axis in zip(p_rows, self.site.paths, self.site.axes)]
+
+  def vjp(self, consts, carry, q_rows, xo_rows):
+    """The body's VJP with respect to its float inputs (``q_rows``: the param rows after their
+    paths); non-float outputs come as aux. Returns ``(outs, pullback, flat_inputs)``."""
+    body = self.eqn.params["jaxpr"]
+    fc, fk, fxo, fout = self.fc, self.fk, self.fxo, self.fout
+    static_consts, static_carry = _split(consts, fc)[1], _split(carry, fk)[1]
+    static_xo = _split(xo_rows, fxo)[1]
+
+    def float_body(f_consts, f_carry, f_params, f_xo):
+      xs = _merge(f_params, _merge(f_xo, static_xo, fxo), self.is_param_x)
+      out = _jaxpr.evaluate(body.jaxpr, body.consts, [
+          *_merge(f_consts, static_consts, fc), *_merge(f_carry, static_carry, fk), *xs])
+      return _split(out, fout)
+
+    inputs = (_split(consts, fc)[0], _split(carry, fk)[0], list(q_rows), _split(xo_rows, fxo)[0])
+    out_float, pullback, out_static = jax.vjp(float_body, *inputs, has_aux=True)
+    return _merge(out_float, out_static, fout), pullback, [x for part in inputs for x in part]
+
+
+def probe_residuals(body: _Body, consts, carry, q_rows, xo_rows) -> _Residuals:
+  """Where each residual of the body's VJP comes from, decided once at trace time.
+
+  A residual that is an input of the iteration is read again in the backward; one that
+  depends on the constants alone (found by following data dependencies through the traced
+  VJP) is computed once before the loop; the others are stacked by the forward loop.
+  """
+  found: list = []
+
+  def residuals(consts, carry, q_rows, xo_rows):
+    _, pullback, flat_inputs = body.vjp(consts, carry, q_rows, xo_rows)
+    leaves = jax.tree.leaves(pullback)
+    found.append((jax.tree.structure(pullback),
+                  [next((k for k, x in enumerate(flat_inputs) if x is r), None) for r in leaves]))
+    return leaves
+
+  closed = jax.make_jaxpr(residuals)(consts, carry, q_rows, xo_rows)
+  varying = frozenset([0])
+  labels = ([frozenset()] * len(jax.tree.leaves(consts))
+            + [varying] * len(jax.tree.leaves((carry, q_rows, xo_rows))))
+  deps = _jaxpr.output_dependencies(closed.jaxpr, labels)
+  treedef, input_of = found[-1]
+  sources, n_saved, n_invariant = [], 0, 0
+  for k, d in zip(input_of, deps):
+    if k is not None:
+      sources.append(("input", k))
+    elif not d:
+      sources.append(("invariant", n_invariant))
+      n_invariant += 1
+    else:
+      sources.append(("saved", n_saved))
+      n_saved += 1
+  nf = sum(body.fc), sum(body.fc) + sum(body.fk)
+  needs_carry = any(kind == "input" and nf[0] <= k < nf[1] for kind, k in sources)
+  return _Residuals(treedef, tuple(sources), needs_carry)
+
+
+def _pick(residuals: _Residuals, pullback, kind: str) -> list:
+  return [r for r, (s, _) in zip(jax.tree.leaves(pullback), residuals.sources) if s == kind]
+
+
+def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater, slots: dict, ins: list) -> list:
+  """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place.
+
+  Args:
+    eqn: the scan equation.
+    site: its fused positions.
+    updater: the mode's updater (see the module docstring).
+    slots: leaf -> its optimizer-state slots (stacked like the leaf).
+    ins: the equation's inputs; at the fused positions the stored param leaves.
+
+  Returns:
+    The scan's outputs.
+  """
+  prm = eqn.params
+  nc, nk, length, reverse = prm["num_consts"], prm["num_carry"], prm["length"], prm["reverse"]
+  body_jaxpr = prm["jaxpr"].jaxpr
+  consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+  is_param_x = [pos in site.positions for pos in range(len(xs_in))]
+  pstacks = tuple(xs_in[pos] for pos in site.positions)
+  xs_other = [x for x, p in zip(xs_in, is_param_x) if not p]
+  axes = site.axes
+  leaf_slots = tuple(slots[leaf] for leaf in site.leaves)
+  readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
+  extras = tuple(None if updater.extra is None else updater.extra[leaf] for leaf in site.leaves)
+  stat_in = tuple(updater.stat_inputs.get(leaf, ()) for leaf in site.leaves)
+  pre = tuple(updater.pre_updates.get(leaf) for leaf in site.leaves)
+  pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
+  body = _Body(
+      eqn, site, is_param_x, [_is_float_aval(v) for v in body_jaxpr.invars[:nc]],
+      [_is_float_aval(v) for v in body_jaxpr.invars[nc:nc + nk]],
+      [_is_float_aval(v) for v, p in zip(body_jaxpr.invars[nc + nk:], is_param_x) if not p],
+      [_is_float_aval(v) for v in body_jaxpr.outvars])
+  fxo = body.fxo
+  info: list[tuple[_Residuals, list]] = []
+
+  def forward_index(k):
+    return length - 1 - k if reverse else k
+
+  def fetch_pre(slot_stacks, index):
+    return tuple(None if u is None else tuple(row_at(t, index, a) for t in s)
+                 for s, u, a in zip(slot_stacks, pre, axes))
+
+  def forward_loop(pstacks, consts, carry, xs_other, save):
+    """The forward loop: outputs, stacked residuals and carries, and with ``pre`` the updated
+    param and slot stacks. Each leaf of ``pre`` has its row updated in place right before the
+    body reads it."""
+    residuals = info[-1][0] if save else None
+
+    def step(state, xo_rows):
+      k, c, stacks, slot_stacks, rows = state
+      index = forward_index(k)
+      stacks, slot_stacks, p_rows = list(stacks), list(slot_stacks), []
+      for j, u in enumerate(pre):
+        p_row = row_at(pstacks[j] if u is None else stacks[j], index, axes[j])
+        if u is not None:
+          grad_row = row_at(pre_in[j][0], index, axes[j])
+          p_row, s_rows = u.row_fn(grad_row, p_row, list(rows[j]), pre_in[j][2], index)
+          p_row = p_row.astype(stacks[j].dtype)
+          stacks[j] = write_row(stacks[j], p_row, index, axes[j])
+          slot_stacks[j] = tuple(write_row(t, r, index, axes[j])
+                                 for t, r in zip(slot_stacks[j], s_rows))
+        p_rows.append(p_row)
+      out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)
+      saved = _pick(residuals, pullback, "saved") if save else []
+      # Prefetch the next slot rows from the buffers just written, as the backward loop does:
+      # XLA recomputes a new slot row inside each of its consumers, so rows read in this
+      # iteration would be read again after the in-place write and XLA would copy the whole
+      # stack every iteration to keep them. The param row is read once, before its write.
+      rows = fetch_pre(slot_stacks, forward_index(jnp.minimum(k + 1, length - 1)))
+      carries = c if save and residuals.needs_carry else None
+      return (k + 1, out[:nk], tuple(stacks), tuple(slot_stacks), rows), (out[nk:], saved,
+                                                                        carries)
+
+    slot_stacks = tuple(u[1] if u is not None else () for u in pre_in)
+    stacks = tuple(None if u is None else p for p, u in zip(pstacks, pre))
+    init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks,
+            fetch_pre(slot_stacks, forward_index(0)))
+    (_, carry_out, stacks, slot_stacks, _), (ys, saved, carries) = lax.scan(
+        step, init, list(xs_other), length=length, reverse=reverse, unroll=prm["unroll"])
+    pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))
+    new_pstacks = tuple(p if u is None else q for p, q, u in zip(pstacks, stacks, pre))
+    return carry_out, ys, saved, carries, pre_out, new_pstacks
+
+  def probe(pstacks, consts, carry, xs_other):
+    p_rows = [row_at(p, 0, a) for p, a in zip(pstacks, axes)]
+    q_rows = body.body_rows(p_rows, 0)
+    xo_rows = [row_at(x, 0) for x in xs_other]
+    residuals = probe_residuals(body, consts, carry, q_rows, xo_rows)
+    _, pullback, _ = body.vjp(consts, carry, q_rows, xo_rows)
+    return residuals, _pick(residuals, pullback, "invariant")
+
+  @jax.custom_vjp
+  def fscan(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
+    del leaf_slots, readonly, extras, pre_in, stat_in
+    carry_out, ys, _, _, pre_out, _ = forward_loop(pstacks, consts, carry, xs_other, False)
+    return (*carry_out, *ys), pre_out
+
+  def fwd(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
+    residuals, invariant = probe(pstacks, list(consts), list(carry), list(xs_other))
+    info.append((residuals, invariant))
+    carry_out, ys, saved, carries, pre_out, pstacks = forward_loop(pstacks, consts, carry,
+                                                                   xs_other, True)
+    res = (pstacks, leaf_slots, readonly, extras, stat_in, consts, carries, saved, invariant,
+           xs_other)
+    return ((*carry_out, *ys), pre_out), res
+
+  def bwd(res, cts):
+    (pstacks, leaf_slots, readonly, extras, stat_in, consts, carries, saved, invariant,
+     xs_other) = res
+    residuals = info[-1][0]
+    for leaf in site.leaves:
+      updater.fired.add(leaf)
+    cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
+    ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
+    float_consts = _split(consts, body.fc)[0]
+    loop = _BackwardLoop(body, updater, residuals, leaf_slots, readonly, extras, float_consts,
+                         carries, saved, invariant, xs_other, ct_ys)
+    stats = updater.stage == "stats"
+    ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, ct_carry, stats)
+    ct_consts_full = _merge(ct_consts, [None] * (nc - sum(body.fc)), body.fc)
+    ct_xo_full = _merge(ct_xo, [None] * (len(xs_other) - sum(fxo)), fxo)
+    if stats:  # the statistics leave as the cotangents of their zero inputs
+      ct_stats = tuple(tuple(a.astype(z.dtype) for a, z in zip(acc, zeros))
+                       for acc, zeros in zip(accs, stat_in))
+      return (None, None, None, None, None, ct_stats, ct_consts_full, ct_c, ct_xo_full)
+    return (tuple(stacks), tuple(state_stacks), None, None, None, None, ct_consts_full, ct_c,
+            ct_xo_full)
+
+  fscan.defvjp(fwd, bwd)
+  outs, pre_out = fscan(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts_in,
+                        carry_in, xs_other)
+  for leaf, updated in zip(site.leaves, pre_out):
+    if updated is not None:
+      updater.pre_results[leaf] = updated
+  return list(outs)
+
+
+class _BackwardLoop(NamedTuple):
+  """The backward loop of a fused scan: one iteration per layer, last layer first."""
+
+  body: _Body
+  updater: Any
+  residuals: _Residuals
+  leaf_slots: tuple
+  readonly: tuple
+  extras: tuple
+  float_consts: list
+  carries: Any
+  saved: list
+  invariant: list
+  xs_other: list
+  ct_ys: list
+
+  def index_of(self, k):
+    return k if self.body.eqn.params["reverse"] else self.body.length - 1 - k
+
+  def fetch(self, stacks, state_stacks, index):
+    axes = self.body.site.axes
+    return ([row_at(p, index, a) for p, a in zip(stacks, axes)],
+            [[row_at(s, index, a) for s in slots] for slots, a in zip(state_stacks, axes)])
+
+  def pullback(self, index, c_row, q_rows, xo_rows):
+    """The body's pullback at iteration ``index``, rebuilt from its residuals."""
+    body, residuals = self.body, self.residuals
+    flat_inputs = [*self.float_consts, *_split(c_row, body.fk)[0], *q_rows,
+                   *_split(xo_rows, body.fxo)[0]]
+    saved_rows = [row_at(r, index) for r in self.saved]
+    by_kind = {"input": flat_inputs, "saved": saved_rows, "invariant": self.invariant}
+    leaves = [by_kind[kind][k] for kind, k in residuals.sources]
+    return jax.tree.unflatten(residuals.treedef, leaves)
+
+  def iteration(self, k, state, stats: bool):
+    body, updater, site = self.body, self.updater, self.body.site
+    length, nk = body.length, body.eqn.params["num_carry"]
+    ct_c, ct_consts, stacks, state_stacks, ct_xo, (p_rows, slot_rows), accs = state
+    index = self.index_of(k)
+    c_row = [row_at(c, index) for c in self.carries] if self.residuals.needs_carry else [None] * nk
+    xo_rows = [row_at(x, index) for x in self.xs_other]
+    # The param rows go through their paths (a cast, a transpose) inside the loop; the
+    # gradient of each stored row is the path's transpose of the body's gradient.
+    q_rows, path_vjp = jax.vjp(lambda rows: body.body_rows(rows, index), list(p_rows))
+    ct_y_row = [row_at(y, index) for y, f in zip(self.ct_ys, body.fout[nk:]) if f]
+    pullback = self.pullback(index, c_row, q_rows, xo_rows)
+    g_consts, g_carry, g_q, g_xo = pullback([*_split(ct_c, body.fk)[0], *ct_y_row])
+    (g_params,) = path_vjp(list(g_q))
+    new_stacks, new_state_stacks, accs = list(stacks), list(state_stacks), list(accs)
+    for j, (leaf, axis) in enumerate(zip(site.leaves, site.axes)):
+      g = g_params[j]
+      if self.extras[j] is not None:
+        g = g + row_at(self.extras[j], index, axis).astype(g.dtype)
+      if stats:
+        partials = updater.row_stats(leaf, g, index, length, axis)
+        accs[j] = tuple(_rows.ROW_COMBINE[r](a, v.astype(a.dtype))
+                        for a, (v, r) in zip(accs[j], partials))
+        continue
+      update, new_slots = updater.row_update(leaf, g, p_rows[j], slot_rows[j], self.readonly[j],
+                                             index, length, axis)
+      if updater.update_params:
+        new_stacks[j] = write_row(stacks[j], (p_rows[j] + update).astype(p_rows[j].dtype),
+                                  index, axis)
+      new_state_stacks[j] = tuple(write_row(s, r, index, axis)
+                                  for s, r in zip(state_stacks[j], new_slots))
+    ct_consts = [a + b for a, b in zip(ct_consts, g_consts)]
+    ct_xo = [write_row(acc, g, index) for acc, g in zip(ct_xo, g_xo)]
+    ct_c = _merge(g_carry, [None] * (nk - sum(body.fk)), body.fk)
+    # Prefetch the next rows from the buffers just written: the only read of a buffer in this
+    # iteration then depends on its write, so XLA can prove the in-place updates safe and
+    # copies no buffer (reads of old rows unordered with the writes make it copy them all).
+    next_index = self.index_of(jnp.minimum(k + 1, length - 1))
+    prefetched = self.fetch(new_stacks, new_state_stacks, next_index)
+    return (ct_c, ct_consts, tuple(new_stacks), tuple(new_state_stacks), ct_xo, prefetched,
+            tuple(accs))
+
+  def run(self, pstacks, ct_carry, stats: bool):
+    """``(ct_carry, ct_consts, param stacks, state stacks, ct_xs, statistics)``."""
+    body, updater = self.body, self.updater
+    nk = body.eqn.params["num_carry"]
+    init = (_merge(_split(ct_carry, body.fk)[0], [None] * (nk - sum(body.fk)), body.fk),
+            [jnp.zeros_like(c) for c in self.float_consts], tuple(pstacks),
+            tuple(tuple(s) for s in self.leaf_slots),
+            [jnp.zeros_like(x) for x in _split(self.xs_other, body.fxo)[0]],
+            self.fetch(pstacks, self.leaf_slots, self.index_of(0)),
+            tuple(_stat_identities(updater, leaf, p, body.length, a) if stats else ()
+                  for leaf, p, a in zip(body.site.leaves, pstacks, body.site.axes)))
+    ct_c, ct_consts, stacks, state_stacks, ct_xo, _, accs = lax.fori_loop(
+        0, body.length, lambda k, s: self.iteration(k, s, stats), init)
+    return ct_c, ct_consts, stacks, state_stacks, ct_xo, accs
+
+
+def _stat_identities(updater, leaf: int, stack, length: int, axis: int) -> tuple:
+  """The value of each statistic of ``leaf`` over no rows: where the backward loop starts
+  combining the rows' partial statistics."""
+  found: list = []
+  shape = jnp.shape(stack)
+  row = jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1:], jnp.result_type(stack))
+  jax.eval_shape(lambda g: found.append(updater.row_stats(leaf, g, 0, length, axis)) or 0, row)
+
+  def identity(partial, reduction):
+    dtype, shape = partial.dtype, partial.shape
+    if reduction in ("reduce_max", "reduce_min"):
+      big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+      return jnp.full(shape, -big if reduction == "reduce_max" else big, dtype)
+    return jnp.full(shape, reduction == "reduce_and", dtype)
+
+  return tuple(identity(p, r) for p, r in found[0])
