@@ -55,6 +55,8 @@ _MEMORY_COLUMNS = (
     ("gradient", True, lambda r: format_bytes(r["grad_bytes"])),
     ("floor", True, lambda r: format_bytes(r["floor_bytes"])),
     ("peak vs floor", True, lambda r: _ratio(r["peak_vs_floor"])),
+    ("saved / stacked gradient", True,
+     lambda r: "-" if r.get("saved_of_stacked") is None else f"{r['saved_of_stacked']:.0%}"),
 )
 
 

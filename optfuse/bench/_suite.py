@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 import optfuse
 from optfuse import _fuse, _memory
-from optfuse.bench import _models, _timing
+from optfuse.bench import _forms, _models, _timing
 from optfuse.bench._models import DecoderConfig, Model
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -152,9 +152,20 @@ def quick_suite() -> Suite:
                min_run_s=0.015)
 
 
+# The scanned-model forms of ``_forms`` at the size the loop-fusion issue measured them.
+FORM_SIZE = DecoderConfig(layers=16, dim=512, heads=8, ff=2048, vocab=32000, seq=512, batch=4)
+
+
+def _scanned_forms() -> tuple[Model, ...]:
+  forms = tuple(make(FORM_SIZE) for make in _forms.FORMS.values())
+  return (*forms, _models.decoder(FORM_SIZE, scanned=True, remat=False, name="no_remat"))
+
+
 def memory_suite() -> Suite:
-  """Only the compile-only memory of the 1.3B and 6.6B scanned decoders."""
-  return Suite("memory", (), _large_decoders(), rounds=0, warmup=0, min_run_s=0.0)
+  """Compile-only memory of the 1.3B and 6.6B scanned decoders and of the scanned-model forms
+  (``_forms``: how MaxText, Levanter and others write a scanned decoder) at 16 layers."""
+  return Suite("memory", (), (*_large_decoders(), *_scanned_forms()), rounds=0, warmup=0,
+               min_run_s=0.0)
 
 
 GPT_184M = DecoderConfig(layers=12, dim=1024, heads=16, ff=4096, vocab=32000, seq=512, batch=1)
@@ -280,8 +291,10 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
 def run_large(model: Model) -> list[dict[str, Any]]:
   """Compile-only memory of a model with adamw in every mode; allocates nothing."""
   params = _models.abstract(model.params)
+  stacked = _models.grad_bytes(params["layers"]) if "layers" in params else None
   base = {"section": "memory", "model": model.name, "description": model.description,
-          "optimizer": "adamw", "grad_bytes": _models.grad_bytes(params)}
+          "optimizer": "adamw", "grad_bytes": _models.grad_bytes(params),
+          "stacked_grad_bytes": stacked}
   try:
     report = _memory.memory_report(model.loss, optax.adamw(1e-3), params,
                                    *_models.abstract(model.batch))
@@ -292,8 +305,10 @@ def run_large(model: Model) -> list[dict[str, Any]]:
   for mode in _memory.MODES:
     row = {**base, "mode": mode}
     if mode in report:
+      saved = report["off"]["peak_bytes"] - report[mode]["peak_bytes"]
       row.update(report[mode], peak_ratio=report[mode]["peak_bytes"] / report["off"]["peak_bytes"],
-                 floor_bytes=floor, peak_vs_floor=report[mode]["peak_bytes"] / floor)
+                 floor_bytes=floor, peak_vs_floor=report[mode]["peak_bytes"] / floor,
+                 saved_of_stacked=saved / stacked if stacked else None)
     else:
       row["unavailable"] = _memory.first_sentence(report.unavailable[mode])
     rows.append(row)
