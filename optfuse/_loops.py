@@ -104,6 +104,8 @@ class LoopPlan(NamedTuple):
     stacked: leaf -> stacked axis of every leaf a scan reads as its scanned input through a
       row-preserving path, fused or not.
     reasons: leaf -> why a leaf that a scan reads as its scanned input is not fused.
+    in_remat: fused leaves whose scan sits inside ``jax.checkpoint`` (its forward runs again in
+      the backward pass).
   """
 
   params_def: Any
@@ -117,6 +119,7 @@ class LoopPlan(NamedTuple):
   out_def: Any
   stacked: dict
   reasons: dict
+  in_remat: frozenset = frozenset()
 
   def call(self, updater, leaves, slots, args, kwargs):
     """Evaluates the loss on ``leaves`` (the fused leaves untapped) with fused scans."""
@@ -230,6 +233,8 @@ class _Finder:
     self.shapes = shapes
     self.refuse = refuse
     self.remat_problem = remat_problem
+    self.remat_depth = 0
+    self.in_remat: set = set()
     self.sites: dict = {}
     self.deferred: set = set()
     self.stacked: dict = {}
@@ -259,8 +264,10 @@ class _Finder:
         continue
       body = _jaxpr.call_body(eqn)
       if body is not None and prim in _REWRITTEN_CALLS:
+        self.remat_depth += prim in _REWRAPPED_CALLS
         outs = self.walk(body.jaxpr, {iv: w for iv, w in zip(body.jaxpr.invars, ins) if w},
                          self.remat_problem if prim in _REWRAPPED_CALLS else None)
+        self.remat_depth -= prim in _REWRAPPED_CALLS
         for v, w in zip(eqn.outvars, outs):
           if w is not None and prim in _INLINED_CALLS:
             put(v, w)
@@ -319,6 +326,8 @@ class _Finder:
       axes.append(stored)
       paths.append(w.path)
     self.walk(prm["jaxpr"].jaxpr, inner)  # for the reasons of loops nested in this one
+    if leaves and self.remat_depth:
+      self.in_remat.update(leaves)
     if leaves:
       self.sites[id(eqn)] = Site(tuple(positions), tuple(leaves), tuple(axes), tuple(paths))
       self.deferred.update(id(e) for path in paths for e in path)
@@ -408,7 +417,7 @@ def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff,
   reasons = {leaf: why for leaf, why in finder.reasons.items() if leaf not in fused}
   return LoopPlan(plan.params_def, fused, jaxpr, tuple(closed.consts), finder.sites,
                   frozenset(finder.deferred), entered, dynamic, out_def,
-                  finder.stacked, reasons)
+                  finder.stacked, reasons, frozenset(finder.in_remat))
 
 
 def _interpret(loop_plan: LoopPlan, jaxpr: jcore.Jaxpr, consts, args, updater, slots) -> list:
