@@ -250,14 +250,23 @@ def _mixed_reference():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tree_mixing_float32_bfloat16_and_float16_trains_like_optax(mode):
+  # Over 5 steps every leaf stays within 4 ulps of its own dtype. Later the float32 leaves, which
+  # feed bfloat16 layers, inherit bfloat16 rounding: a one-ulp float32 difference (XLA fuses the
+  # forward-mode update differently) flips a bf16 rounding some steps later, and from there the
+  # trajectories differ by bf16 ulps (measured in forward mode on a 2-core x86 CPU: 2 float32
+  # ulps at step 5, 1e-3 relative at step 50). So after 50 steps the bound is 4 bf16 ulps.
+  early = _train(DTYPE_TX(), mode, _mixed_params(), _dtype_batches(jnp.float32)[:5])
+  early_want = _train_optax(DTYPE_TX(), _mixed_params(), _dtype_batches(jnp.float32)[:5])
+  for dtype in ULP:
+    pick = lambda tree, dtype=dtype: [x for x in jax.tree.leaves(tree) if x.dtype == dtype]
+    assert pick(early), f"no {jnp.dtype(dtype).name} leaf"
+    tol = 4 * ULP[dtype]
+    chex.assert_trees_all_close(pick(early), pick(early_want), rtol=tol, atol=tol)
   got = _train(DTYPE_TX(), mode, _mixed_params(), _dtype_batches(jnp.float32))
   want = _mixed_reference()
   assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want)
-  for dtype in ULP:
-    pick = lambda tree, dtype=dtype: [x for x in jax.tree.leaves(tree) if x.dtype == dtype]
-    assert pick(got), f"no {jnp.dtype(dtype).name} leaf"
-    tol = 4 * ULP[dtype]
-    chex.assert_trees_all_close(pick(got), pick(want), rtol=tol, atol=tol)
+  tol = 4 * ULP[jnp.bfloat16]
+  chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
