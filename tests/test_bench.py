@@ -7,7 +7,7 @@ import json
 import pytest
 
 from optfuse.bench import __main__ as bench_main
-from optfuse.bench import _models, _suite
+from optfuse.bench import _fsdp, _models, _suite
 
 REQUIRED = ("model", "optimizer", "mode", "time_ratio", "peak_bytes", "jax_version", "backend",
             "device_kind")
@@ -84,3 +84,46 @@ def test_floor_of_a_scanned_model_keeps_one_layer_of_gradient():
   off = {"peak_bytes": 10_000, "argument_bytes": 100, "output_bytes": 100, "alias_bytes": 100}
   floor = _suite.floor_bytes(model, model.params, off)
   assert floor == 10_000 - _models.grad_bytes(model.params) + outside + layers // 4
+
+
+
+@pytest.fixture(scope="module")
+def fsdp_tiny_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("fsdp")
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    code = bench_main.main(["--fsdp", "--fsdp-size", "tiny", "--out", str(out), "--no-progress"])
+  return code, json.loads((out / "fsdp.json").read_text()), stdout.getvalue()
+
+
+def test_fsdp_run_prints_a_row_per_mode_from_eight_devices(fsdp_tiny_run):
+  code, rows, printed = fsdp_tiny_run
+  assert code == 0, printed
+  assert [r["mode"] for r in rows] == list(_fsdp.MODES)
+  assert all(r["device_count"] == 8 and not r.get("failed") for r in rows), rows
+  assert "| model | mode | peak / device |" in printed
+  for mode in _fsdp.MODES:
+    assert f"| decoder_tiny | {mode} |" in printed
+
+
+def test_fsdp_backward_fusion_needs_no_more_memory_per_device_than_optax(fsdp_tiny_run):
+  _, rows, _ = fsdp_tiny_run
+  peak = {r["mode"]: r["peak_bytes"] for r in rows}
+  assert peak["backward"] <= peak["off"]
+
+
+def test_fsdp_fuses_every_stacked_leaf_in_its_loop_without_new_collectives(fsdp_tiny_run):
+  _, rows, _ = fsdp_tiny_run
+  off, *fused = rows
+  for row in fused:
+    assert row["stacked_in_loop"] == row["stacked_leaves"] == 6, row["mode"]
+    assert row["extra_all_gathers"] == [], row["mode"]
+    assert row["collectives"] == off["collectives"], row["mode"]
+
+
+def test_fsdp_never_shards_the_layer_axis_and_replicates_what_does_not_divide():
+  assert _fsdp.shard_axis((16, 1024, 4096), stacked=True, devices=8) == 2
+  assert _fsdp.shard_axis((64, 8, 3), stacked=True, devices=8) == 1
+  assert _fsdp.shard_axis((64, 3), stacked=True, devices=8) is None
+  assert _fsdp.shard_axis((32000, 1024), stacked=False, devices=8) == 0
+  assert _fsdp.shard_axis((3,), stacked=False, devices=8) is None

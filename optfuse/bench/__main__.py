@@ -1,4 +1,4 @@
-"""The command line of the benchmark: ``python -m optfuse.bench [--quick] [--out DIR]``."""
+"""The command line of the benchmark: ``python -m optfuse.bench [--quick|--fsdp] [--out DIR]``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from optfuse.bench import _report, _suite
+from optfuse.bench import _fsdp, _report, _suite
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,19 +26,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="only the 184M-parameter scanned GPT yardstick (remat, AdamW), timed")
   size.add_argument("--smoke", action="store_const", dest="suite", const="smoke",
                     help="the smallest models, a few seconds (for tests)")
+  size.add_argument("--fsdp", action="store_const", dest="suite", const="fsdp",
+                    help="only the compile-only memory per device of a scanned decoder under "
+                    "FSDP on 8 simulated CPU devices (in a subprocess); see --fsdp-size")
+  parser.add_argument("--fsdp-size", choices=sorted(_fsdp.SIZES), default="16l",
+                      help="the decoder of --fsdp: tiny (4x64, seconds), 16l (16x1024 T512 B8, "
+                      "the default), 1.3b (24x2048 T2048 B8)")
   parser.add_argument("--out", metavar="DIR",
-                      help="write results.json, results.md and results.png into DIR")
+                      help="write results.json, results.md and results.png into DIR (with "
+                      "--fsdp: fsdp.json and fsdp.md)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
-  suite = _suite.SUITES[args.suite or "full"]()
-  start = time.perf_counter()
-  rows = _suite.run_suite(suite, progress=not args.no_progress)
-  elapsed = time.perf_counter() - start
+  if args.suite == "fsdp":
+    rows = _fsdp.run(args.fsdp_size, progress=not args.no_progress)
+    write, markdown, footer = _fsdp.write, _fsdp.markdown, ""
+  else:
+    suite = _suite.SUITES[args.suite or "full"]()
+    start = time.perf_counter()
+    rows = _suite.run_suite(suite, progress=not args.no_progress)
+    write, markdown = _report.write, _report.markdown
+    footer = f"({suite.name} suite: {time.perf_counter() - start:.0f} s)"
   if args.out:
-    paths = _report.write(rows, args.out)
+    paths = write(rows, args.out)
     print(f"wrote {', '.join(paths.values())}", file=sys.stderr)
-  print(_report.markdown(rows))
-  print(f"({suite.name} suite: {elapsed:.0f} s)")
+  print(markdown(rows))
+  if footer:
+    print(footer)
   failed = [r for r in rows if r.get("failed")]
   if failed:
     print(f"{len(failed)} measurements failed (see the notes above)", file=sys.stderr)

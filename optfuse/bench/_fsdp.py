@@ -1,0 +1,384 @@
+"""Per-device compiled memory under FSDP: a scanned decoder on eight simulated CPU devices.
+
+``python -m optfuse.bench --fsdp [--fsdp-size SIZE]`` compiles the optax step (mode "off") and
+the fused steps ("backward", "forward") of a scanned, rematerialized decoder with adamw on a
+one-axis mesh ``("fsdp",)`` of eight devices, and reads each executable's memory per device.
+Nothing is allocated: the params, the optimizer state and the batch are
+``jax.ShapeDtypeStruct``s that carry their ``NamedSharding``.
+
+FSDP here shards every param leaf along its largest axis that the devices divide, never along
+the layer axis of a stacked leaf (the loops slice stacked leaves row by row along it), and
+replicates the leaves no axis of which divides. The optimizer state is sharded like the params
+(``optax.tree_utils.tree_map_params``), the batch along its first axis, and the step returns
+params and state with their input shardings, donated (``donate_argnums=(0, 1)``). The axis is
+Auto, so XLA's partitioner places the gathers of each layer's weights.
+
+The device count is fixed when JAX initialises, so ``run`` measures in a subprocess started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``python -m optfuse.bench._fsdp``) and
+the calling process keeps its own devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optfuse
+from optfuse import _memory
+from optfuse.bench import _models, _report, _suite
+from optfuse.bench._models import DecoderConfig, Model
+
+DEVICES = 8
+AXIS = "fsdp"
+MODES = ("off", "backward", "forward")
+
+# The batch is sharded over the devices too, so every size's batch is a multiple of DEVICES.
+SIZES: dict[str, DecoderConfig] = {
+    "tiny": DecoderConfig(layers=4, dim=64, heads=4, ff=256, vocab=256, seq=32, batch=8),
+    "16l": DecoderConfig(layers=16, dim=1024, heads=16, ff=4096, vocab=32000, seq=512, batch=8),
+    "1.3b": DecoderConfig(layers=24, dim=2048, heads=16, ff=8192, vocab=32000, seq=2048,
+                          batch=8),
+}
+
+
+def model_for(size: str) -> Model:
+  """The scanned, rematerialized decoder of ``SIZES[size]``, named ``decoder_<size>``."""
+  return _models.decoder(SIZES[size], scanned=True, remat=True, name=f"decoder_{size}")
+
+
+def shard_axis(shape: Sequence[int], stacked: bool, devices: int) -> int | None:
+  """The axis FSDP shards a leaf of ``shape`` along, or ``None`` to replicate it.
+
+  Args:
+    shape: the leaf's shape.
+    stacked: whether axis 0 is a scanned layer axis (never sharded).
+    devices: the size of the mesh axis.
+
+  Returns:
+    The largest axis that ``devices`` divides (the first of equal ones), skipping axis 0 of
+    stacked leaves; ``None`` when there is none.
+  """
+  axes = [a for a in range(1 if stacked else 0, len(shape)) if shape[a] % devices == 0]
+  return max(axes, key=lambda a: shape[a], default=None)
+
+
+def _is_stacked(path) -> bool:
+  return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def param_specs(params, devices: int) -> Any:
+  """The FSDP ``PartitionSpec`` of every leaf of ``params`` (a tree of ``Leaf`` or arrays).
+
+  Leaves under a ``"layers"`` key are stacked: their axis 0 is the scan's layer axis.
+  """
+
+  def spec(path, leaf):
+    axis = shard_axis(leaf.shape, _is_stacked(path), devices)
+    return P() if axis is None else P(*(AXIS if a == axis else None for a in range(axis + 1)))
+
+  return jax.tree_util.tree_map_with_path(spec, params, is_leaf=_models._is_leaf)
+
+
+def grad_share_bytes(params, specs, devices: int) -> int:
+  """Per-device bytes of the gradient: a sharded leaf's bytes over ``devices``, others whole.
+
+  Args:
+    params: a tree of ``Leaf`` (or arrays, ``jax.ShapeDtypeStruct``s).
+    specs: their ``PartitionSpec``s, as ``param_specs`` gives them.
+    devices: the size of the mesh axis.
+
+  Returns:
+    The bytes of the float leaves' gradient that one device holds.
+  """
+  leaves = jax.tree.leaves(params, is_leaf=_models._is_leaf)
+  parts = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  return sum(_models.nbytes(p) // (devices if any(s) else 1)
+             for p, s in zip(leaves, parts, strict=True) if jnp.issubdtype(p.dtype, jnp.inexact))
+
+
+def live_grad_share_bytes(params, specs, devices: int) -> int:
+  """Per-device bytes of the gradient a fused step must hold at once, for a scanned decoder.
+
+  As ``Model.live_grad_bytes`` of ``_models.decoder(scanned=True)``, on one device: the leaves
+  outside the loop (the tied embedding's gradient is complete only at the end of the backward
+  pass) plus one layer's rows of the stacked leaves under ``params["layers"]``.
+
+  Args:
+    params: a tree of ``Leaf`` with the stacked leaves under ``"layers"``.
+    specs: their ``PartitionSpec``s.
+    devices: the size of the mesh axis.
+
+  Returns:
+    Bytes per device.
+  """
+  outside = [k for k in params if k != "layers"]
+  layers = jax.tree.leaves(params["layers"], is_leaf=_models._is_leaf)[0].shape[0]
+  return (grad_share_bytes([params[k] for k in outside], [specs[k] for k in outside], devices)
+          + grad_share_bytes(params["layers"], specs["layers"], devices) // layers)
+
+
+_ALL_GATHER = re.compile(r"=\s*(.+?)\s+all-gather(?:-start)?\(")
+_COLLECTIVE = re.compile(
+    r"\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def all_gathers(hlo: str) -> list[str]:
+  """The result types of the all-gathers in compiled HLO text, layouts dropped, sorted.
+
+  A gather inside a loop body is one entry, however many times the loop runs it.
+  """
+  return sorted(re.sub(r"\{[^}]*\}", "", m.group(1)) for m in _ALL_GATHER.finditer(hlo))
+
+
+def collective_counts(hlo: str) -> dict[str, int]:
+  """How many of each collective compiled HLO text holds (one in a loop body counts once)."""
+  return dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo)).items()))
+
+
+def _with_sharding(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def compile_step(mode: str, model: Model, params, batch: tuple,
+                 replicated: NamedSharding) -> tuple[optfuse.FusedTransformation,
+                                                     jax.stages.Compiled]:
+  """Compiles ``model``'s adamw step in ``mode`` for sharded abstract params and batch.
+
+  Args:
+    mode: "off", "backward" or "forward".
+    model: the benchmark model.
+    params: its params as ``jax.ShapeDtypeStruct``s with their ``NamedSharding``.
+    batch: the loss's other arguments, likewise.
+    replicated: the replicated sharding of the mesh (the loss, the step count).
+
+  Returns:
+    ``(fx, compiled)``: the fused transformation and its step, jitted with
+    ``donate_argnums=(0, 1)`` and the params and state returned with their input shardings.
+  """
+  fx = optfuse.fuse(optax.adamw(1e-3), mode=mode)
+  param_shardings = jax.tree.map(lambda p: p.sharding, params)
+  # Adam's moments (and forward mode's pending gradient) like the params, the rest (the step
+  # count) replicated: optax's idiom for sharding a state.
+  state_shardings = optax.tree_utils.tree_map_params(
+      fx, lambda _, s: s, jax.eval_shape(fx.init, params), param_shardings,
+      transform_non_params=lambda _: replicated)
+  state = _with_sharding(jax.eval_shape(fx.init, params), state_shardings)
+  step = jax.jit(fx.value_and_update(model.loss), donate_argnums=(0, 1),
+                 out_shardings=(replicated, param_shardings, state_shardings))
+  return fx, step.lower(params, state, *batch).compile()
+
+
+def measure(model: Model, devices: int = DEVICES, progress: bool = False) -> list[dict[str, Any]]:
+  """Compiles every mode's adamw step for ``model`` under FSDP on this process's devices.
+
+  Args:
+    model: a scanned decoder of ``_models.decoder`` (its stacked params under "layers").
+    devices: the mesh size; this process must have exactly that many devices.
+    progress: print each mode to stderr as it compiles.
+
+  Returns:
+    One row per mode: the per-device memory fields of ``optfuse._memory.FIELDS``,
+    ``peak_ratio`` (to "off"), ``grad_share_bytes`` and ``live_grad_share_bytes`` (the
+    gradient's bytes per device, and the part of them a fused step must hold at once),
+    ``saved_of_share`` (the peak saved against "off", over the gradient share),
+    ``all_gathers`` (their number in the HLO), ``extra_all_gathers`` (those "off" has not),
+    ``collectives`` (collective name -> count in the HLO), ``compile_s``, and for the fused
+    modes ``stacked_in_loop`` (how many of the ``stacked_leaves`` ``optfuse.describe`` places in
+    a loop). A mode that cannot run is a row with ``unavailable``, a library error one with
+    ``failed``.
+
+  Raises:
+    RuntimeError: this process does not have ``devices`` devices.
+  """
+  if jax.device_count() != devices:
+    raise RuntimeError(f"FSDP over {devices} devices needs {devices} devices, found "
+                       f"{jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_device_"
+                       f"count={devices} before JAX starts (optfuse.bench._fsdp.run does).")
+  mesh = jax.make_mesh((devices,), (AXIS,), axis_types=(AxisType.Auto,))
+  replicated = NamedSharding(mesh, P())
+  specs = param_specs(model.params, devices)
+  params = _with_sharding(_models.abstract(model.params),
+                          jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                       is_leaf=lambda x: isinstance(x, P)))
+  batch = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=NamedSharding(mesh, P(AXIS)))
+                for b in model.batch)
+  share = grad_share_bytes(model.params, specs, devices)
+  base = {"section": "fsdp", "model": model.name, "description": model.description,
+          "optimizer": "adamw", "devices": devices, "mesh": f"({devices},) {AXIS!r} Auto",
+          "grad_bytes": _models.grad_bytes(model.params), "grad_share_bytes": share,
+          "live_grad_share_bytes": live_grad_share_bytes(model.params, specs, devices),
+          "stacked_leaves": len(jax.tree.leaves(model.params["layers"],
+                                                is_leaf=_models._is_leaf))}
+  rows, gathers = {}, {}
+  for mode in MODES:
+    if progress:
+      print(f"{model.name}: compiling mode {mode!r}", file=sys.stderr, flush=True)
+    row = rows[mode] = {**base, "mode": mode}
+    start = time.perf_counter()
+    try:
+      fx, compiled = compile_step(mode, model, params, batch, replicated)
+      row["compile_s"] = time.perf_counter() - start
+      if mode != "off":
+        placements = optfuse.describe(fx, model.loss, params, *batch)
+        row["stacked_in_loop"] = sum(where == "loop" for path, where in placements.items()
+                                     if path.startswith("['layers']"))
+    except _memory.UNAVAILABLE_ERRORS as e:
+      row["unavailable"] = f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
+      continue
+    except Exception as e:  # a library bug: recorded, the command then exits with an error
+      row["failed"] = f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
+      continue
+    row.update(_memory.compiled_memory(compiled))
+    hlo = compiled.as_text()
+    gathers[mode] = collections.Counter(all_gathers(hlo))
+    row.update(all_gathers=gathers[mode].total(), collectives=collective_counts(hlo))
+  if "off" in gathers:
+    off = rows["off"]
+    for mode in gathers:
+      row = rows[mode]
+      row["peak_ratio"] = row["peak_bytes"] / off["peak_bytes"]
+      row["saved_of_share"] = (off["peak_bytes"] - row["peak_bytes"]) / share
+      row["extra_all_gathers"] = sorted((gathers[mode] - gathers["off"]).elements())
+  return [rows[mode] for mode in MODES]
+
+
+def run(size: str = "16l", devices: int = DEVICES, progress: bool = True,
+        timeout_s: float | None = None) -> list[dict[str, Any]]:
+  """Measures ``model_for(size)`` under FSDP in a subprocess with ``devices`` CPU devices.
+
+  Args:
+    size: a key of ``SIZES``.
+    devices: the number of simulated CPU devices (the mesh size).
+    progress: let the subprocess print its progress on this process's stderr.
+    timeout_s: kill the subprocess after this many seconds.
+
+  Returns:
+    The rows of ``measure``, each with ``elapsed_s`` (the subprocess's wall time) and the
+    environment of ``optfuse.bench._suite.environment`` as the subprocess saw it.
+
+  Raises:
+    RuntimeError: the subprocess failed; the message holds its output.
+  """
+  # The subprocess imports the same optfuse as this process (a checkout may shadow an install).
+  root = str(Path(optfuse.__file__).resolve().parent.parent)
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                       f"--xla_force_host_platform_device_count={devices}".strip(),
+             PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+  with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp) / "rows.json"
+    command = [sys.executable, "-m", "optfuse.bench._fsdp", size, str(out),
+               "--devices", str(devices)] + (["--progress"] if progress else [])
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True,
+                          stderr=None if progress else subprocess.STDOUT, timeout=timeout_s)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+      raise RuntimeError(f"{' '.join(command)} exited with {proc.returncode}:\n{proc.stdout}")
+    rows = json.loads(out.read_text())
+  return [{**row, "elapsed_s": elapsed} for row in rows]
+
+
+_COLUMNS = (
+    ("model", False, lambda r: r["model"]),
+    ("mode", False, lambda r: r["mode"]),
+    ("peak / device", True, lambda r: _memory.format_bytes(r["peak_bytes"])),
+    ("peak vs optax", True, lambda r: f"{r['peak_ratio']:.2f}x"),
+    ("temp / device", True, lambda r: _memory.format_bytes(r["temp_bytes"])),
+    ("arguments / device", True, lambda r: _memory.format_bytes(r["argument_bytes"])),
+    ("gradient / device", True, lambda r: _memory.format_bytes(r["grad_share_bytes"])),
+    ("saved / gradient (at most)", True,
+     lambda r: f"{r['saved_of_share']:.0%} "
+               f"({1 - r['live_grad_share_bytes'] / r['grad_share_bytes']:.0%})"),
+    ("all-gathers (new)", True,
+     lambda r: f"{r['all_gathers']} ({len(r['extra_all_gathers'])})"),
+    ("stacked leaves in loop", True,
+     lambda r: f"{r['stacked_in_loop']}/{r['stacked_leaves']}" if "stacked_in_loop" in r else "-"),
+    ("compile", True, lambda r: f"{r['compile_s']:.0f} s"),
+)
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+  """The FSDP rows as a Markdown section: the environment line, the table, the notes.
+
+  Args:
+    rows: the rows of ``run`` (one model or several).
+
+  Returns:
+    Markdown text ending in a newline.
+  """
+  env = rows[0]
+  intro = (
+      f"adamw, float32, `jax.make_mesh(({env['devices']},), ({AXIS!r},))` with an Auto axis: "
+      "every param sharded along its largest divisible axis (never the layer axis of stacked "
+      "leaves), the optimizer state like the params, the batch along its rows; compile-only "
+      "(`jax.ShapeDtypeStruct` inputs with their `NamedSharding`), the step jitted with "
+      "`donate_argnums=(0, 1)` and the input shardings as `out_shardings`. Memory is per device. "
+      "Gradient / device: the gradient's bytes on one device (sharded leaves over "
+      f"{env['devices']}). Saved / gradient: optax's peak minus this mode's, over that; in "
+      "brackets the most a fused step can save, all but the gradient it must hold at once (the "
+      "leaves outside the loop and one layer's rows). Forward mode's state carries the pending "
+      "gradient between steps, in its arguments. All-gathers: in the compiled HLO (one inside "
+      "the loop body counts once), in brackets how many of them optax has not. Stacked leaves "
+      "in loop: updated row by row inside the scan (`optfuse.describe`).")
+  title = (f"### FSDP on {env['devices']} simulated {env['backend']} devices: jax "
+           f"{env['jax_version']}, optax {env['optax_version']}, {env['cpu_count']} CPUs")
+  out = _report._section(title, intro, _COLUMNS, rows)
+  times = {r["model"]: r["elapsed_s"] for r in rows}
+  out.append("Wall time (subprocess, mostly XLA compiling): "
+             + "; ".join(f"`{m}` {s:.0f} s" for m, s in times.items()) + ".")
+  return "\n".join([*out, "", _report.PEAK_NOTE]) + "\n"
+
+
+def write(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
+  """Writes ``fsdp.json`` and ``fsdp.md`` into ``out_dir``.
+
+  Returns:
+    name -> path of the files written.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {name: os.path.join(out_dir, f"fsdp.{name}") for name in ("json", "md")}
+  with open(paths["json"], "w") as f:
+    json.dump(list(rows), f, indent=1)
+  with open(paths["md"], "w") as f:
+    f.write(markdown(rows))
+  return paths
+
+
+def main(argv: Sequence[str]) -> None:
+  """The subprocess: ``python -m optfuse.bench._fsdp SIZE OUT_JSON [--devices N] [--progress]``.
+
+  Args:
+    argv: the command line after the program name.
+  """
+  parser = argparse.ArgumentParser(prog="python -m optfuse.bench._fsdp",
+                                   description=__doc__.split("\n")[0])
+  parser.add_argument("size", choices=sorted(SIZES))
+  parser.add_argument("out", type=Path)
+  parser.add_argument("--devices", type=int, default=DEVICES)
+  parser.add_argument("--progress", action="store_true")
+  args = parser.parse_args(argv)
+  rows = measure(model_for(args.size), args.devices, progress=args.progress)
+  env = _suite.environment()
+  args.out.write_text(json.dumps([{**env, **row} for row in rows]))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
