@@ -1,12 +1,13 @@
 """optfuse: fuse the optax update into the backward (and forward) pass of a JAX training step.
 
-The core (``fuse``, ``describe``, ``memory_report``...) depends on jax and optax only. The Flax
-adapters ``optfuse.linen`` and ``optfuse.nnx`` are imported on first use.
+The core (``fuse``, ``describe``, ``memory_report``, ``max_batch_size``...) depends on jax and
+optax only. The Flax adapters ``optfuse.linen`` and ``optfuse.nnx`` are imported on first use.
 """
 
 import importlib
 
 from optfuse._describe import describe as describe
+from optfuse._errors import BudgetError as BudgetError
 from optfuse._errors import LossOutputError as LossOutputError
 from optfuse._errors import MicrobatchError as MicrobatchError
 from optfuse._errors import NonSeparableError as NonSeparableError
@@ -14,6 +15,8 @@ from optfuse._errors import OptfuseError as OptfuseError
 from optfuse._errors import ParamsStructureError as ParamsStructureError
 from optfuse._errors import StateMismatchError as StateMismatchError
 from optfuse._errors import UnknownModeError as UnknownModeError
+from optfuse._fit import FitReport as FitReport
+from optfuse._fit import max_batch_size as max_batch_size
 from optfuse._forward import ForwardState as ForwardState
 from optfuse._forward import from_optax_state as from_optax_state
 from optfuse._forward import to_optax_state as to_optax_state

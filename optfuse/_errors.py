@@ -35,3 +35,11 @@ class UnknownModeError(OptfuseError, ValueError):
 
 class MicrobatchError(OptfuseError, ValueError):
   """The step's arguments cannot be split into the requested number of microbatches."""
+
+
+class BudgetError(OptfuseError, ValueError):
+  """A memory budget that cannot be read, or that no batch size can bound.
+
+  Budgets are positive byte counts: an int, or a string such as "24GB", "80GiB" or "1.5 GB"
+  (decimal kB, MB, GB, TB; binary KiB, MiB, GiB, TiB).
+  """

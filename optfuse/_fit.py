@@ -1,0 +1,290 @@
+"""The largest batch that fits a memory budget, found from compiled memory alone.
+
+``max_batch_size`` compiles each mode's training step (``optfuse._memory.lower_step``) for the
+batch sizes a search asks for and compares XLA's compiled peak with the budget: the batch doubles
+until the peak exceeds the budget, then bisection between the last batch that fits and the first
+that does not. Nothing is allocated or run, and no (mode, batch) is compiled twice. The answer
+is exact for the search's own test: the step at the returned batch fits, the step one batch
+(one multiple of ``microbatches``) larger does not.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optfuse import _fuse, _memory
+from optfuse._errors import BudgetError
+
+# Decimal units as XLA and ``format_bytes`` print them, binary ones as allocators count.
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BUDGET = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
+
+# A search that compiles more often than this shows a progress bar (big models compile for
+# seconds to minutes each on CPU).
+QUIET_COMPILES = 3
+
+
+def parse_budget(budget: int | float | str) -> int:
+  """A memory budget in bytes.
+
+  Args:
+    budget: a positive number of bytes (an int, or a float such as ``24e9``), or a string: a
+      number and a unit, "24GB", "80GiB", "512MB", "1.5 GB" (decimal kB, MB, GB, TB; binary
+      KiB, MiB, GiB, TiB; case-insensitive; no unit or "B": bytes).
+
+  Returns:
+    The budget in whole bytes, rounded down.
+
+  Raises:
+    BudgetError: ``budget`` is not a positive number of bytes or such a string.
+
+  Examples:
+    >>> from optfuse._fit import parse_budget
+    >>> parse_budget("24GB"), parse_budget("1.5 GiB"), parse_budget(512)
+    (24000000000, 1610612736, 512)
+  """
+  if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+    raise BudgetError(f"a memory budget is a number of bytes or a string such as '24GB', got "
+                      f"{budget!r}.")
+  if isinstance(budget, str):
+    match = _BUDGET.fullmatch(budget.strip())
+    if match is None or match.group(2).lower() not in UNITS:
+      raise BudgetError(
+          f"cannot read the memory budget {budget!r}: write a number of bytes and a unit, such as "
+          "'24GB', '80GiB' or '1.5 GB' (units: kB, MB, GB, TB, KiB, MiB, GiB, TiB).")
+    value = Fraction(match.group(1)) * UNITS[match.group(2).lower()]
+  elif isinstance(budget, float) and not math.isfinite(budget):
+    raise BudgetError(f"a memory budget must be finite, got {budget!r}.")
+  else:
+    value = Fraction(budget)
+  if value < 1:
+    raise BudgetError(f"a memory budget must be at least one byte, got {budget!r}.")
+  return math.floor(value)
+
+
+def _args_bytes(args) -> int:
+  return sum(math.prod(jnp.shape(x)) * jnp.dtype(jnp.result_type(x)).itemsize
+             for x in jax.tree.leaves(args))
+
+
+def _as_args(args) -> tuple:
+  return args if isinstance(args, tuple) else (args,)
+
+
+class FitReport(Mapping):
+  """The largest batch per mode: ``report[mode]`` is an int (0: batch 1 does not fit).
+
+  Modes that cannot run the optimizer are absent from the mapping; ``unavailable`` maps them to
+  the reason (the exception's name and message). ``str(report)`` is a table. A ``FitReport``
+  compares equal to the dict of its batches.
+
+  Attributes:
+    budget_bytes: the budget the batches fit, in bytes.
+    microbatches: the number of microbatches per step (batches are multiples of it), or ``None``.
+    peaks: mode -> {batch: compiled peak bytes} for every batch the search compiled.
+    unavailable: mode -> why it could not be compiled.
+  """
+
+  def __init__(self, batches: Mapping[str, int], peaks: Mapping[str, Mapping[int, int]],
+               unavailable: Mapping[str, str], budget_bytes: int,
+               microbatches: int | None = None):
+    self._batches = dict(batches)
+    self.peaks = {mode: dict(sorted(p.items())) for mode, p in peaks.items()}
+    self.unavailable = dict(unavailable)
+    self.budget_bytes = budget_bytes
+    self.microbatches = microbatches
+
+  def __getitem__(self, mode: str) -> int:
+    return self._batches[mode]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._batches)
+
+  def __len__(self) -> int:
+    return len(self._batches)
+
+  def next_batch(self, mode: str) -> int:
+    """The smallest batch larger than ``self[mode]`` that the search tried: it does not fit."""
+    return self._batches[mode] + (self.microbatches or 1)
+
+  def table(self) -> str:
+    """The report as a fixed-width text table, one line per mode."""
+    header = ["mode", "max batch", "peak at max", "next batch", "its peak", "compiles"]
+    rows = {}
+    for mode, batch in self._batches.items():
+      nxt, peaks = self.next_batch(mode), self.peaks[mode]
+      rows[mode] = [mode, str(batch), _memory.format_bytes(peaks.get(batch)), str(nxt),
+                    _memory.format_bytes(peaks.get(nxt)), str(len(peaks))]
+    widths = [max(len(cells[i]) for cells in [header, *rows.values()]) for i in range(len(header))]
+    widths[0] = max([widths[0], *map(len, self.unavailable)])
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False))
+    title = (f"largest batch within {_memory.format_bytes(self.budget_bytes)} "
+             f"({self.budget_bytes} bytes) of compiled peak memory")
+    if self.microbatches:
+      title += f", in multiples of {self.microbatches} microbatches"
+    lines = [title, fmt(header)]
+    for mode in sorted([*rows, *self.unavailable], key=_memory.MODES.index):
+      if mode in rows:
+        lines.append(fmt(rows[mode]))
+      else:
+        lines.append(fmt([mode, f"unavailable: {_memory.first_sentence(self.unavailable[mode])}"]))
+    return "\n".join(line.rstrip() for line in lines)
+
+  def __str__(self) -> str:
+    return self.table()
+
+  def __repr__(self) -> str:
+    return f"FitReport(\n{self.table()}\n)"
+
+
+class _Progress:
+  """Counts the compiles of a search; shows a bar (tqdm, when installed) after a few."""
+
+  def __init__(self, enabled: bool):
+    self.enabled, self.count, self.bar = enabled, 0, None
+
+  def start(self, label: str) -> None:
+    """A compile of ``label`` begins."""
+    if self.bar is None and self.enabled and self.count >= QUIET_COMPILES:
+      try:
+        from tqdm.auto import tqdm  # optional: the bench and test extras install it
+      except ImportError:
+        self.enabled = False
+      else:
+        self.bar = tqdm(desc="optfuse.max_batch_size", unit=" compiles",
+                        initial=self.count)
+    if self.bar is not None:
+      self.bar.set_postfix_str(label)
+
+  def done(self) -> None:
+    """The compile that began last has finished."""
+    self.count += 1
+    if self.bar is not None:
+      self.bar.update()
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def _largest(fits: Callable[[int], bool]) -> int:
+  """The largest ``k >= 1`` with ``fits(k)`` (0 if not ``fits(1)``), ``fits`` assumed monotone.
+
+  ``k`` doubles until it does not fit, then bisection: about ``2 log2(k)`` calls.
+  """
+  if not fits(1):
+    return 0
+  lo, hi = 1, 2
+  while fits(hi):
+    lo, hi = hi, 2 * hi
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  return lo
+
+
+def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: Any,
+                   args_for: Callable[[int], Any], budget_bytes: int | float | str, *,
+                   modes: Sequence[str] | None = None, global_ops: str | None = None,
+                   microbatches: int | None = None, progress: bool = True) -> FitReport:
+  """The largest batch whose compiled training step fits ``budget_bytes``, per mode.
+
+  For each mode, ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` is lowered
+  for ``params``, ``fx.init``'s state and ``args_for(b)``, compiled for the default backend, and
+  its peak (``argument + temp + output - alias`` bytes, as in ``optfuse.memory_report``) compared
+  with the budget. The batch doubles from 1 until the step no longer fits, then bisection finds
+  the boundary: about ``2 log2(b)`` compiles per mode, each (mode, b) compiled once. Nothing is
+  allocated or run, so ``params`` and the arguments may be ``jax.ShapeDtypeStruct``s of a model
+  that fits nowhere. The search assumes the peak grows with the batch; the step at the returned
+  batch fits the budget and the step at the next batch does not.
+
+  The figures are XLA's buffer assignment for the default backend: run this on the machine type
+  you will train on. Leave a margin on GPU: the allocator fragments memory, XLA reserves some
+  for itself (cuDNN and cuBLAS workspaces, the CUDA context), and JAX preallocates 75 % of the
+  GPU by default (``XLA_PYTHON_CLIENT_MEM_FRACTION``), so pass the memory your process will
+  actually get, less a few percent, not the card's size.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args_for(b))``, as given to ``fx.value_and_update``; whether
+      it returns ``(loss, aux)`` is read from its abstract output.
+    tx: the optax transformation.
+    params: params or their ``jax.ShapeDtypeStruct``s.
+    args_for: ``args_for(b)`` returns the loss's arguments after ``params`` for batch size
+      ``b``: a tuple of arrays or ``jax.ShapeDtypeStruct``s (a single non-tuple value is the
+      only argument). Their size must grow with ``b``.
+    budget_bytes: the memory budget: bytes, or a string such as "24GB", "80GiB", "1.5 GB"
+      (decimal kB, MB, GB, TB; binary KiB, MiB, GiB, TiB).
+    modes: the modes to search, by default "off", "backward" and "forward".
+    global_ops: passed to ``optfuse.fuse`` (``"two_pass"`` lets backward mode run clipping).
+    microbatches: passed to ``fx.value_and_update``: each step splits its arguments into this
+      many microbatches along their leading axis, so only multiples of ``microbatches`` are
+      searched and every batch returned is one (``b`` is the whole step's batch, not a
+      microbatch's).
+    progress: show a progress bar (tqdm, when installed) once a search has compiled more than
+      a few times.
+
+  Returns:
+    A ``FitReport``: a mapping from mode to the largest batch that fits, 0 when the smallest
+    batch (1, or ``microbatches``) does not. A mode that cannot run ``tx`` (a non-separable
+    transform in backward mode without ``global_ops="two_pass"``) is left out and its reason
+    kept in ``report.unavailable``; ``report.peaks[mode]`` holds every compiled peak.
+
+  Raises:
+    BudgetError: ``budget_bytes`` cannot be read, or ``args_for(2 * k)`` is no larger than
+      ``args_for(k)`` (no budget would stop the search).
+    UnknownModeError: a mode or ``global_ops`` that ``optfuse.fuse`` does not know.
+    MicrobatchError: ``microbatches`` is not a positive int or ``None``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optfuse
+    >>> params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+    >>> args_for = lambda b: (jax.ShapeDtypeStruct((b, 256), jnp.float32),)
+    >>> loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+    >>> fit = optfuse.max_batch_size(loss, optax.adamw(1e-3), params, args_for, "2MB",
+    ...                              modes=["off"])
+    >>> fit["off"] > 0 and fit.peaks["off"][fit["off"]] <= 2_000_000 < fit.peaks["off"][
+    ...     fit.next_batch("off")]
+    True
+  """
+  budget = parse_budget(budget_bytes)
+  unit = _fuse._check_microbatches(microbatches)
+  modes = tuple(_memory.MODES if modes is None else modes)
+  fused = {mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops) for mode in modes}
+  if _args_bytes(_as_args(args_for(2 * unit))) <= _args_bytes(_as_args(args_for(unit))):
+    raise BudgetError(
+        f"args_for({2 * unit}) returns arguments no larger than args_for({unit}), so the step's "
+        "memory does not grow with the batch and no budget bounds it: make args_for(b) return "
+        "arrays or jax.ShapeDtypeStructs with a leading axis of size b.")
+  has_aux = _memory.loss_has_aux(loss_fn, params, *_as_args(args_for(unit)))
+  peaks: dict[str, dict[int, int]] = {mode: {} for mode in modes}
+  batches, unavailable = {}, {}
+  bar = _Progress(progress)
+
+  def peak(mode: str, b: int) -> int:
+    if b not in peaks[mode]:
+      bar.start(f"{mode}, batch {b}")
+      lowered = _memory.lower_step(fused[mode], loss_fn, params, _as_args(args_for(b)),
+                                   has_aux=has_aux, microbatches=microbatches)
+      peaks[mode][b] = _memory.compiled_memory(lowered.compile())["peak_bytes"]
+      bar.done()
+    return peaks[mode][b]
+
+  try:
+    for mode in modes:
+      try:
+        batches[mode] = unit * _largest(lambda k, mode=mode: peak(mode, unit * k) <= budget)
+      except _memory.UNAVAILABLE_ERRORS as e:
+        unavailable[mode] = f"{type(e).__name__}: {e}"
+        del peaks[mode]
+  finally:
+    bar.close()
+  return FitReport(batches, peaks, unavailable, budget, microbatches)
