@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -156,12 +157,15 @@ class _Progress:
     """A compile of ``label`` begins."""
     if self.bar is None and self.enabled and self.count >= QUIET_COMPILES:
       try:
-        from tqdm.auto import tqdm  # optional: the bench and test extras install it
+        with warnings.catch_warnings():
+          # tqdm.auto warns in a notebook without ipywidgets, then falls back to a text bar.
+          warnings.simplefilter("ignore")
+          from tqdm.auto import tqdm  # optional: the bench and test extras install it
       except ImportError:
         self.enabled = False
       else:
-        self.bar = tqdm(desc="optfuse.max_batch_size", unit=" compiles",
-                        initial=self.count)
+        self.bar = tqdm(desc="optfuse.max_batch_size", initial=self.count,
+                        bar_format="{desc}: {n} compiles, {elapsed}{postfix}")
     if self.bar is not None:
       self.bar.set_postfix_str(label)
 
