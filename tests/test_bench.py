@@ -1,4 +1,5 @@
-"""``python -m optfuse.bench``: the smoke suite writes every output, with honest, complete rows."""
+"""``python -m optfuse.bench``: the smoke suite writes every output, with honest, complete rows;
+``--fit`` prints the largest batch per mode."""
 
 import contextlib
 import io
@@ -6,7 +7,9 @@ import json
 
 import pytest
 
+from optfuse import _memory
 from optfuse.bench import __main__ as bench_main
+from optfuse.bench import _fit as bench_fit
 from optfuse.bench import _fsdp, _models, _suite
 
 REQUIRED = ("model", "optimizer", "mode", "time_ratio", "peak_bytes", "jax_version", "backend",
@@ -86,7 +89,6 @@ def test_floor_of_a_scanned_model_keeps_one_layer_of_gradient():
   assert floor == 10_000 - _models.grad_bytes(model.params) + outside + layers // 4
 
 
-
 @pytest.fixture(scope="module")
 def fsdp_tiny_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("fsdp")
@@ -127,3 +129,40 @@ def test_fsdp_never_shards_the_layer_axis_and_replicates_what_does_not_divide():
   assert _fsdp.shard_axis((64, 3), stacked=True, devices=8) is None
   assert _fsdp.shard_axis((32000, 1024), stacked=False, devices=8) == 0
   assert _fsdp.shard_axis((3,), stacked=False, devices=8) is None
+
+
+def _run_fit(budget, out):
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    code = bench_main.main(["--fit", budget, "--fit-models", "decoder_tiny", "--out", str(out),
+                            "--no-progress"])
+  return code, json.loads((out / "fit.json").read_text()), stdout.getvalue()
+
+
+def test_fit_prints_the_largest_batch_per_mode_and_the_tokens_it_allows(tmp_path):
+  # Under every mode's peak at batch 1: nothing fits, and each mode compiles once.
+  code, rows, printed = _run_fit("1kB", tmp_path / "none")
+  assert code == 0 and [r["mode"] for r in rows] == ["off", "backward", "forward"]
+  assert all(r["max_batch"] == 0 and r["next_batch"] == 1 and r["compiles"] == 1 for r in rows)
+  # optax's peak at batch 1 as the budget: optax fits exactly one sequence.
+  budget = rows[0]["next_peak_bytes"]
+  code, rows, printed = _run_fit(f"{budget} B", tmp_path / "one")
+  assert code == 0
+  assert (tmp_path / "one" / "fit.md").read_text().strip() in printed
+  assert f"fits {_memory.format_bytes(budget)} ({budget} bytes)" in printed
+  seq = bench_fit.TINY_DECODER.seq
+  for row in rows:
+    assert not row.get("failed") and row["budget_bytes"] == budget, row
+    assert row["tokens_per_step"] == row["max_batch"] * seq
+    assert row["peak_bytes"] is None or row["peak_bytes"] <= budget < row["next_peak_bytes"]
+    line = f"| decoder_tiny | {row['mode']} | {row['max_batch']} | "
+    assert line in printed, line
+  assert rows[0]["max_batch"] == 1 and rows[0]["batch_ratio"] == 1.0
+  assert rows[1]["max_batch"] >= 1  # backward fusion's peak is below optax's
+
+
+def test_the_fit_batch_is_the_leading_axis_of_every_batch_leaf():
+  model = bench_fit.fit_models()["decoder_tiny"].model
+  args = bench_fit.batch_args(model, 5)
+  assert [a.shape for a in args] == [(5, bench_fit.TINY_DECODER.seq)] * 2
+  assert [a.dtype for a in args] == [leaf.dtype for leaf in model.batch]

@@ -4,11 +4,12 @@ Run ``python -m optfuse.bench --quick`` (about 90 CPU-seconds, most of it XLA co
 without ``--quick`` for the full suite (larger models, every optimizer on every model, the
 184M-parameter scanned GPT; meant for a GPU or TPU). ``--out DIR`` writes ``results.json``,
 ``results.md`` and ``results.png``. The same command runs on CPU, GPU and TPU: JAX picks the
-backend.
+backend. ``--fit BUDGET`` (e.g. ``--fit 24GB``) prints the largest batch per mode whose compiled
+step fits the budget, for the big scanned decoders (compile-only, seconds per compile on CPU).
 
 Modules: ``_models`` (the models in plain JAX), ``_timing`` (compiling and interleaved timing),
-``_suite`` (the suites and the measuring loop, the memory floor), ``_report`` (tables, files,
-plot), ``__main__`` (the command line).
+``_suite`` (the suites and the measuring loop, the memory floor), ``_fit`` (the ``--fit``
+search), ``_report`` (tables, files, plot), ``__main__`` (the command line).
 """
 
 from optfuse.bench._suite import SUITES as SUITES

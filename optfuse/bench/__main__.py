@@ -1,4 +1,5 @@
-"""The command line of the benchmark: ``python -m optfuse.bench [--quick|--fsdp] [--out DIR]``."""
+"""The command line of the benchmark: ``python -m optfuse.bench [--quick|--fsdp|--fit BUDGET]
+[--out DIR]``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,26 @@ import sys
 import time
 from collections.abc import Sequence
 
-from optfuse.bench import _fsdp, _report, _suite
+from optfuse._errors import BudgetError
+from optfuse._fit import parse_budget
+from optfuse.bench import _fit, _fsdp, _report, _suite
+
+
+def _budget(text: str) -> int:
+  try:
+    return parse_budget(text)
+  except BudgetError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _fit_models(text: str) -> tuple[str, ...]:
+  names = tuple(n.strip() for n in text.split(",") if n.strip())
+  unknown = [n for n in names if n not in _fit.fit_models()]
+  if unknown or not names:
+    raise argparse.ArgumentTypeError(
+        f"unknown model(s) {', '.join(unknown) or text!r}; choose from "
+        f"{', '.join(_fit.fit_models())}")
+  return names
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,20 +49,33 @@ def main(argv: Sequence[str] | None = None) -> int:
   size.add_argument("--fsdp", action="store_const", dest="suite", const="fsdp",
                     help="only the compile-only memory per device of a scanned decoder under "
                     "FSDP on 8 simulated CPU devices (in a subprocess); see --fsdp-size")
+  size.add_argument("--fit", metavar="BUDGET", type=_budget,
+                    help="the largest batch per mode whose compiled step (AdamW) fits BUDGET "
+                    "(24GB, 80GiB, 1.5 GB...), compile-only, for the --fit-models")
   parser.add_argument("--fsdp-size", choices=sorted(_fsdp.SIZES), default="16l",
                       help="the decoder of --fsdp: tiny (4x64, seconds), 16l (16x1024 T512 B8, "
                       "the default), 1.3b (24x2048 T2048 B8)")
+  parser.add_argument("--fit-models", metavar="NAMES", type=_fit_models,
+                      help="comma-separated models for --fit (default "
+                      f"{','.join(_fit.DEFAULT_MODELS)}): {', '.join(_fit.fit_models())}")
   parser.add_argument("--out", metavar="DIR",
                       help="write results.json, results.md and results.png into DIR (with "
-                      "--fsdp: fsdp.json and fsdp.md)")
+                      "--fsdp: fsdp.json and fsdp.md; with --fit: fit.json and fit.md)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
+  if args.fit_models and args.fit is None:
+    parser.error("--fit-models needs --fit BUDGET")
+  start = time.perf_counter()
   if args.suite == "fsdp":
     rows = _fsdp.run(args.fsdp_size, progress=not args.no_progress)
     write, markdown, footer = _fsdp.write, _fsdp.markdown, ""
+  elif args.fit is not None:
+    names = args.fit_models or _fit.DEFAULT_MODELS
+    rows = _fit.run_fit(names, args.fit, progress=not args.no_progress)
+    write, markdown = _report.write_fit, _report.fit_markdown
+    footer = f"(--fit {', '.join(names)}: {time.perf_counter() - start:.0f} s)"
   else:
     suite = _suite.SUITES[args.suite or "full"]()
-    start = time.perf_counter()
     rows = _suite.run_suite(suite, progress=not args.no_progress)
     write, markdown = _report.write, _report.markdown
     footer = f"({suite.name} suite: {time.perf_counter() - start:.0f} s)"

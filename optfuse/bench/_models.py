@@ -126,6 +126,11 @@ def _num_params(params) -> int:
   return sum(math.prod(p.shape) for p in jax.tree.leaves(params, is_leaf=_is_leaf))
 
 
+def param_count(params) -> str:
+  """The number of params in a tree of ``Leaf``, rounded: "1.3B", "184M", "12k"."""
+  return _count(_num_params(params))
+
+
 def _classes(batch: tuple[int, ...], classes: int) -> Leaf:
   return Leaf(batch, jnp.int32, "int", classes)
 

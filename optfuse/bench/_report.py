@@ -1,4 +1,5 @@
-"""Benchmark output: the Markdown tables, ``results.json``, ``results.md`` and the ratio plot."""
+"""Benchmark output: the Markdown tables, ``results.json``, ``results.md``, the ratio plot, and
+the ``--fit`` table (``fit.json``, ``fit.md``)."""
 
 from __future__ import annotations
 
@@ -76,13 +77,14 @@ def _unavailable_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
   return notes
 
 
-def _section(title: str, intro: str, columns, rows: Sequence[dict[str, Any]]) -> list[str]:
-  """A titled table of the measured rows, the notes on the others, the models."""
-  measured = [r for r in rows if r.get("peak_ratio") is not None]
+def _section(title: str, intro: str, columns, rows: Sequence[dict[str, Any]],
+             measured: str = "peak_ratio") -> list[str]:
+  """A titled table of the rows with a ``measured`` value, the notes on the others, the models."""
   out = [title, "", intro, "",
          "| " + " | ".join(header for header, _, _ in columns) + " |",
          "|" + "|".join("---:" if right else "---" for _, right, _ in columns) + "|"]
-  out += ["| " + " | ".join(cell(r) for _, _, cell in columns) + " |" for r in measured]
+  out += ["| " + " | ".join(cell(r) for _, _, cell in columns) + " |"
+          for r in rows if r.get(measured) is not None]
   notes = _unavailable_notes(rows)
   out += ["", *notes] if notes else []
   models = {r["model"]: r["description"] for r in rows}
@@ -148,6 +150,55 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         "allocated, the numbers are XLA's buffer assignment for this backend.",
         _MEMORY_COLUMNS, memory)
   return "\n".join([*out, PEAK_NOTE, "", FLOOR_NOTE]) + "\n"
+
+
+_FIT_COLUMNS = (
+    ("model", False, lambda r: r["model"]),
+    ("mode", False, lambda r: r["mode"]),
+    ("max batch", True, lambda r: str(r["max_batch"])),
+    ("batch vs optax", True, lambda r: _ratio(r["batch_ratio"])),
+    ("tokens per step", True,
+     lambda r: "-" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:,}"),
+    ("peak at max batch", True, lambda r: format_bytes(r["peak_bytes"])),
+    ("next batch", True, lambda r: str(r["next_batch"])),
+    ("its peak", True, lambda r: format_bytes(r["next_peak_bytes"])),
+    ("compiles", True, lambda r: str(r["compiles"])),
+)
+
+MARGIN_NOTE = (
+    "These are XLA's buffer assignments for this backend: on a GPU leave a margin below the "
+    "memory the process gets (the allocator fragments, XLA and the CUDA libraries reserve "
+    "workspace, and JAX preallocates 75 % of the card unless `XLA_PYTHON_CLIENT_MEM_FRACTION` "
+    "says otherwise).")
+
+
+def fit_markdown(rows: Sequence[dict[str, Any]]) -> str:
+  """The ``--fit`` results as Markdown: the largest batch per model and mode, the notes."""
+  env, budget = rows[0], next((r["budget_bytes"] for r in rows if "budget_bytes" in r), None)
+  out = [f"## optfuse.bench `--fit`: jax {env['jax_version']}, optax {env['optax_version']}, "
+         f"backend {env['backend']} ({env['device_kind']}, {env['device_count']} device(s))", ""]
+  out += _section(
+      f"### Largest batch whose compiled step fits {format_bytes(budget)} ({budget} bytes)",
+      "adamw, float32, `optfuse.max_batch_size` on `jax.ShapeDtypeStruct` inputs (doubling, "
+      "then bisection; nothing is allocated): the step at the max batch fits, the step at the "
+      "next batch does not. Tokens per step: max batch x sequence length.",
+      _FIT_COLUMNS, rows, measured="max_batch")
+  return "\n".join([*out, PEAK_NOTE, "", MARGIN_NOTE]) + "\n"
+
+
+def write_fit(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
+  """Writes ``fit.json`` and ``fit.md`` into ``out_dir``.
+
+  Returns:
+    name -> path of the files written.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {name: os.path.join(out_dir, f"fit.{name}") for name in ("json", "md")}
+  with open(paths["json"], "w") as f:
+    json.dump(list(rows), f, indent=1)
+  with open(paths["md"], "w") as f:
+    f.write(fit_markdown(rows))
+  return paths
 
 
 def _plot_label(row: dict[str, Any]) -> str:

@@ -112,13 +112,18 @@ def _grid(models, optimizers) -> list[Cell]:
   return [Cell(m, o) for m in models for o in optimizers]
 
 
+# About 1.3B parameters: the loop-fusion issue's target (24 layers, d=2048, T=2048).
+DECODER_1_3B = DecoderConfig(layers=24, dim=2048, heads=16, ff=8192, vocab=32000, seq=2048,
+                             batch=1)
+# About 6.6B parameters: 32 layers, d=4096 (a plain two-matrix MLP with ff=16384).
+DECODER_6_6B = DecoderConfig(layers=32, dim=4096, heads=32, ff=16384, vocab=32000, seq=2048,
+                             batch=1)
+LARGE_DECODERS = {"decoder_1.3b": DECODER_1_3B, "decoder_6.6b": DECODER_6_6B}
+
+
 def _large_decoders() -> tuple[Model, ...]:
-  # About 1.3B parameters: the loop-fusion issue's target (24 layers, d=2048, T=2048).
-  one_b = DecoderConfig(layers=24, dim=2048, heads=16, ff=8192, vocab=32000, seq=2048, batch=1)
-  # About 6.6B parameters: 32 layers, d=4096 (a plain two-matrix MLP with ff=16384).
-  seven_b = DecoderConfig(layers=32, dim=4096, heads=32, ff=16384, vocab=32000, seq=2048, batch=1)
-  return (_models.decoder(one_b, scanned=True, remat=True, name="decoder_1.3b"),
-          _models.decoder(seven_b, scanned=True, remat=True, name="decoder_6.6b"))
+  return tuple(_models.decoder(c, scanned=True, remat=True, name=name)
+               for name, c in LARGE_DECODERS.items())
 
 
 def smoke_suite() -> Suite:
