@@ -251,17 +251,19 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
     >>> params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
-    >>> args_for = lambda b: (jax.ShapeDtypeStruct((b, 256), jnp.float32),)
+    >>> args_for = lambda b: (jax.ShapeDtypeStruct((b, 256, 256), jnp.float32),)
     >>> loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
-    >>> fit = optfuse.max_batch_size(loss, optax.adamw(1e-3), params, args_for, "2MB",
-    ...                              modes=["off"])
-    >>> fit["off"] > 0 and fit.peaks["off"][fit["off"]] <= 2_000_000 < fit.peaks["off"][
-    ...     fit.next_batch("off")]
+    >>> fit = optfuse.max_batch_size(loss, optax.adamw(1e-3), params, args_for, "4MB",
+    ...                              modes=["off", "backward"])
+    >>> sorted(fit), fit["backward"] > 0
+    (['backward', 'off'], True)
+    >>> peaks = fit.peaks["backward"]  # every batch compiled: b fits, the next does not
+    >>> peaks[fit["backward"]] <= 4_000_000 < peaks[fit.next_batch("backward")]
     True
   """
   budget = parse_budget(budget_bytes)
   unit = _fuse._check_microbatches(microbatches)
-  modes = tuple(_memory.MODES if modes is None else modes)
+  modes = (modes,) if isinstance(modes, str) else tuple(_memory.MODES if modes is None else modes)
   fused = {mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops) for mode in modes}
   if _args_bytes(_as_args(args_for(2 * unit))) <= _args_bytes(_as_args(args_for(unit))):
     raise BudgetError(

@@ -134,6 +134,12 @@ def test_arguments_that_do_not_grow_with_the_batch_raise_budget_error():
     optfuse.max_batch_size(_loss, ADAMW, PARAMS, lambda b: _args_for(4), "1GB")
 
 
+def test_one_mode_may_be_named_by_a_string():
+  fit = optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, "1 kB", modes="backward",
+                               progress=False)
+  assert fit == {"backward": 0} and not fit.unavailable
+
+
 def test_an_unknown_mode_raises_unknown_mode_error():
   with pytest.raises(optfuse.UnknownModeError):
     optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, "1GB", modes=["sideways"])
