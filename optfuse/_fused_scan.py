@@ -19,40 +19,71 @@ A stacked param may reach the scan through row-preserving operations (a dtype ca
 ``moveaxis``: its ``path``): they move into the loop body, so the body reads row ``l`` of the
 stored param along its stored axis, and the update runs on the stored row in the stored dtype.
 
-The updater (a mode's engine: ``_backward.LeafUpdater``, ``_two_pass._Updater``) provides
-``row_update(leaf, grad_row, param_row, slot_rows, readonly, index, length, axis)``, ``readonly``,
-``fired`` (a set the rule adds each leaf to at trace time), ``update_params``, ``extra``
-(gradients added to each row), ``stage`` and, for two-pass, ``row_stats`` and
-``stat_inputs``; forward fusion hands in ``pre_updates`` (see ``PreUpdate``) and reads
-``pre_results``.
+What the loop needs from a mode is the ``LoopUpdater`` protocol (``_backward.LeafUpdater``,
+``_two_pass._Updater``); this module imports nothing above it.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from optfuse import _jaxpr, _rows
+from optfuse import _rows
+from optfuse._scan_body import (
+    Body,
+    Residuals,
+    is_float_aval,
+    merge,
+    probe_residuals,
+    residuals_of,
+    row_at,
+    split,
+    write_row,
+)
+from optfuse._sites import Site
 
 
-class Site(NamedTuple):
-  """A scan equation whose scanned inputs at ``positions`` are the param leaves ``leaves``.
+class LoopUpdater(Protocol):
+  """What a fused scan asks of the mode that runs it.
+
+  Trace-time invariants: the backward rule of a fused scan runs while ``jax.vjp``'s pullback is
+  traced, once per pullback call; it adds each leaf it updates to ``fired`` then, reads
+  ``stage`` then (two-pass backward calls the pullback twice: ``"stats"``, then ``"update"``),
+  and forward fusion reads ``pre_results`` after the loss has been traced.
 
   Attributes:
-    positions: indices among the scan's scanned inputs.
-    leaves: the param leaf read at each position.
-    axes: the stacked axis of each stored leaf.
-    paths: the row-preserving equations between each stored leaf and the scan.
+    update_params: whether the rows of the params are written (``False``: only the state's, for
+      gradient accumulation).
+    extra: ``None`` or, per leaf, a stacked gradient added to each row (earlier microbatches).
+    stage: ``"update"``, or ``"stats"`` in two-pass backward's first pass.
+    fired: the leaves whose backward rule ran in this pass.
+    pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).
+    pre_results: leaf -> ``(param stack, slot stacks)`` the forward loops updated.
+    stat_inputs: leaf -> zero arrays whose cotangents carry the leaf's statistics (two-pass).
   """
 
-  positions: tuple[int, ...]
-  leaves: tuple[int, ...]
-  axes: tuple[int, ...]
-  paths: tuple[tuple[jcore.JaxprEqn, ...], ...]
+  update_params: bool
+  extra: Any
+  stage: str
+  fired: set
+  pre_updates: dict
+  pre_results: dict
+  stat_inputs: dict
+
+  def readonly(self, leaf: int) -> Any:
+    """The other inputs the leaf's update reads whole (shared state, other params)."""
+
+  def row_update(self, leaf: int, grad_row, param_row, slot_rows, readonly, index, length: int,
+                 axis: int) -> tuple[Any, Any]:
+    """Row ``index`` (along the stored ``axis``) of the leaf's ``(update, new_slots)``."""
+
+  def row_stats(self, leaf: int, grad_row, index, length: int, axis: int) -> list:
+    """The leaf's statistics on one gradient row as ``(partial, reduction)`` pairs (called only
+    in the ``"stats"`` stage)."""
 
 
 class PreUpdate(NamedTuple):
@@ -76,131 +107,14 @@ class PreUpdate(NamedTuple):
   row_fn: Any
 
 
-def _is_float_aval(v) -> bool:
-  return jnp.issubdtype(v.aval.dtype, jnp.inexact)
-
-
-def _split(values, mask):
-  return [v for v, m in zip(values, mask) if m], [v for v, m in zip(values, mask) if not m]
-
-
-def _merge(selected, others, mask):
-  it_s, it_o = iter(selected), iter(others)
-  return [next(it_s) if m else next(it_o) for m in mask]
-
-
-def row_at(x, index, axis: int = 0):
-  return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
-
-
-def write_row(buf, row, index, axis: int = 0):
-  return lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), index, axis)
-
-
-class _Residuals(NamedTuple):
-  """Where each residual of the body's VJP comes from in iteration ``l`` of the backward.
-
-  Attributes:
-    treedef: treedef of the VJP function (its leaves are the residuals).
-    sources: per residual, ``("input", k)`` for the ``k``-th flat input of the body's float
-      VJP (constants, carry, param rows after their path, other scanned rows), ``("saved",
-      j)`` for the ``j``-th residual the forward loop stacks, or ``("invariant", j)`` for the
-      ``j``-th residual computed from the constants alone (computed once, before the loop).
-    needs_carry: whether some residual is a carry input (then the forward stacks the carries).
-  """
-
-  treedef: Any
-  sources: tuple[tuple[str, int], ...]
-  needs_carry: bool
-
-
-class _Body(NamedTuple):
-  """The scan's body as the fused loops call it: its VJP on one iteration's rows."""
-
-  eqn: jcore.JaxprEqn
-  site: Site
-  is_param_x: list
-  fc: list
-  fk: list
-  fxo: list
-  fout: list
-
-  @property
-  def length(self) -> int:
-    return self.eqn.params["length"]
-
-  def body_rows(self, p_rows, index):
-    """The body's inputs for the stored param rows: each row through its path."""
-    return [_rows.apply_path(path, r, axis, index, self.length)
-            for r, path, axis in zip(p_rows, self.site.paths, self.site.axes)]
-
-  def vjp(self, consts, carry, q_rows, xo_rows):
-    """The body's VJP with respect to its float inputs (``q_rows``: the param rows after their
-    paths); non-float outputs come as aux. Returns ``(outs, pullback, flat_inputs)``."""
-    body = self.eqn.params["jaxpr"]
-    fc, fk, fxo, fout = self.fc, self.fk, self.fxo, self.fout
-    static_consts, static_carry = _split(consts, fc)[1], _split(carry, fk)[1]
-    static_xo = _split(xo_rows, fxo)[1]
-
-    def float_body(f_consts, f_carry, f_params, f_xo):
-      xs = _merge(f_params, _merge(f_xo, static_xo, fxo), self.is_param_x)
-      out = _jaxpr.evaluate(body.jaxpr, body.consts, [
-          *_merge(f_consts, static_consts, fc), *_merge(f_carry, static_carry, fk), *xs])
-      return _split(out, fout)
-
-    inputs = (_split(consts, fc)[0], _split(carry, fk)[0], list(q_rows), _split(xo_rows, fxo)[0])
-    out_float, pullback, out_static = jax.vjp(float_body, *inputs, has_aux=True)
-    return _merge(out_float, out_static, fout), pullback, [x for part in inputs for x in part]
-
-
-def probe_residuals(body: _Body, consts, carry, q_rows, xo_rows) -> _Residuals:
-  """Where each residual of the body's VJP comes from, decided once at trace time.
-
-  A residual that is an input of the iteration is read again in the backward; one that
-  depends on the constants alone (found by following data dependencies through the traced
-  VJP) is computed once before the loop; the others are stacked by the forward loop.
-  """
-  found: list = []
-
-  def residuals(consts, carry, q_rows, xo_rows):
-    _, pullback, flat_inputs = body.vjp(consts, carry, q_rows, xo_rows)
-    leaves = jax.tree.leaves(pullback)
-    found.append((jax.tree.structure(pullback),
-                  [next((k for k, x in enumerate(flat_inputs) if x is r), None) for r in leaves]))
-    return leaves
-
-  closed = jax.make_jaxpr(residuals)(consts, carry, q_rows, xo_rows)
-  varying = frozenset([0])
-  labels = ([frozenset()] * len(jax.tree.leaves(consts))
-            + [varying] * len(jax.tree.leaves((carry, q_rows, xo_rows))))
-  deps = _jaxpr.output_dependencies(closed.jaxpr, labels)
-  treedef, input_of = found[-1]
-  sources, n_saved, n_invariant = [], 0, 0
-  for k, d in zip(input_of, deps):
-    if k is not None:
-      sources.append(("input", k))
-    elif not d:
-      sources.append(("invariant", n_invariant))
-      n_invariant += 1
-    else:
-      sources.append(("saved", n_saved))
-      n_saved += 1
-  nf = sum(body.fc), sum(body.fc) + sum(body.fk)
-  needs_carry = any(kind == "input" and nf[0] <= k < nf[1] for kind, k in sources)
-  return _Residuals(treedef, tuple(sources), needs_carry)
-
-
-def _pick(residuals: _Residuals, pullback, kind: str) -> list:
-  return [r for r, (s, _) in zip(jax.tree.leaves(pullback), residuals.sources) if s == kind]
-
-
-def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater, slots: dict, ins: list) -> list:
+def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dict, ins: list
+               ) -> list:
   """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place.
 
   Args:
     eqn: the scan equation.
     site: its fused positions.
-    updater: the mode's updater (see the module docstring).
+    updater: the mode's ``LoopUpdater``.
     slots: leaf -> its optimizer-state slots (stacked like the leaf).
     ins: the equation's inputs; at the fused positions the stored param leaves.
 
@@ -221,13 +135,13 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater, slots: dict, ins: list)
   stat_in = tuple(updater.stat_inputs.get(leaf, ()) for leaf in site.leaves)
   pre = tuple(updater.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
-  body = _Body(
-      eqn, site, is_param_x, [_is_float_aval(v) for v in body_jaxpr.invars[:nc]],
-      [_is_float_aval(v) for v in body_jaxpr.invars[nc:nc + nk]],
-      [_is_float_aval(v) for v, p in zip(body_jaxpr.invars[nc + nk:], is_param_x) if not p],
-      [_is_float_aval(v) for v in body_jaxpr.outvars])
+  body = Body(
+      eqn, site, is_param_x, [is_float_aval(v) for v in body_jaxpr.invars[:nc]],
+      [is_float_aval(v) for v in body_jaxpr.invars[nc:nc + nk]],
+      [is_float_aval(v) for v, p in zip(body_jaxpr.invars[nc + nk:], is_param_x) if not p],
+      [is_float_aval(v) for v in body_jaxpr.outvars])
   fxo = body.fxo
-  info: list[tuple[_Residuals, list]] = []
+  info: list[tuple[Residuals, list]] = []
 
   def forward_index(k):
     return length - 1 - k if reverse else k
@@ -257,7 +171,7 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater, slots: dict, ins: list)
                                  for t, r in zip(slot_stacks[j], s_rows))
         p_rows.append(p_row)
       out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)
-      saved = _pick(residuals, pullback, "saved") if save else []
+      saved = residuals_of(residuals, pullback, "saved") if save else []
       # Prefetch the next slot rows from the buffers just written, as the backward loop does:
       # XLA recomputes a new slot row inside each of its consumers, so rows read in this
       # iteration would be read again after the in-place write and XLA would copy the whole
@@ -283,7 +197,7 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater, slots: dict, ins: list)
     xo_rows = [row_at(x, 0) for x in xs_other]
     residuals = probe_residuals(body, consts, carry, q_rows, xo_rows)
     _, pullback, _ = body.vjp(consts, carry, q_rows, xo_rows)
-    return residuals, _pick(residuals, pullback, "invariant")
+    return residuals, residuals_of(residuals, pullback, "invariant")
 
   @jax.custom_vjp
   def fscan(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
@@ -308,13 +222,13 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater, slots: dict, ins: list)
       updater.fired.add(leaf)
     cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
     ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
-    float_consts = _split(consts, body.fc)[0]
+    float_consts = split(consts, body.fc)[0]
     loop = _BackwardLoop(body, updater, residuals, leaf_slots, readonly, extras, float_consts,
                          carries, saved, invariant, xs_other, ct_ys)
     stats = updater.stage == "stats"
     ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, ct_carry, stats)
-    ct_consts_full = _merge(ct_consts, [None] * (nc - sum(body.fc)), body.fc)
-    ct_xo_full = _merge(ct_xo, [None] * (len(xs_other) - sum(fxo)), fxo)
+    ct_consts_full = merge(ct_consts, [None] * (nc - sum(body.fc)), body.fc)
+    ct_xo_full = merge(ct_xo, [None] * (len(xs_other) - sum(fxo)), fxo)
     if stats:  # the statistics leave as the cotangents of their zero inputs
       ct_stats = tuple(tuple(a.astype(z.dtype) for a, z in zip(acc, zeros))
                        for acc, zeros in zip(accs, stat_in))
@@ -334,9 +248,9 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater, slots: dict, ins: list)
 class _BackwardLoop(NamedTuple):
   """The backward loop of a fused scan: one iteration per layer, last layer first."""
 
-  body: _Body
-  updater: Any
-  residuals: _Residuals
+  body: Body
+  updater: LoopUpdater
+  residuals: Residuals
   leaf_slots: tuple
   readonly: tuple
   extras: tuple
@@ -358,8 +272,8 @@ class _BackwardLoop(NamedTuple):
   def pullback(self, index, c_row, q_rows, xo_rows):
     """The body's pullback at iteration ``index``, rebuilt from its residuals."""
     body, residuals = self.body, self.residuals
-    flat_inputs = [*self.float_consts, *_split(c_row, body.fk)[0], *q_rows,
-                   *_split(xo_rows, body.fxo)[0]]
+    flat_inputs = [*self.float_consts, *split(c_row, body.fk)[0], *q_rows,
+                   *split(xo_rows, body.fxo)[0]]
     saved_rows = [row_at(r, index) for r in self.saved]
     by_kind = {"input": flat_inputs, "saved": saved_rows, "invariant": self.invariant}
     leaves = [by_kind[kind][k] for kind, k in residuals.sources]
@@ -377,7 +291,7 @@ class _BackwardLoop(NamedTuple):
     q_rows, path_vjp = jax.vjp(lambda rows: body.body_rows(rows, index), list(p_rows))
     ct_y_row = [row_at(y, index) for y, f in zip(self.ct_ys, body.fout[nk:]) if f]
     pullback = self.pullback(index, c_row, q_rows, xo_rows)
-    g_consts, g_carry, g_q, g_xo = pullback([*_split(ct_c, body.fk)[0], *ct_y_row])
+    g_consts, g_carry, g_q, g_xo = pullback([*split(ct_c, body.fk)[0], *ct_y_row])
     (g_params,) = path_vjp(list(g_q))
     new_stacks, new_state_stacks, accs = list(stacks), list(state_stacks), list(accs)
     for j, (leaf, axis) in enumerate(zip(site.leaves, site.axes)):
@@ -398,7 +312,7 @@ class _BackwardLoop(NamedTuple):
                                   for s, r in zip(state_stacks[j], new_slots))
     ct_consts = [a + b for a, b in zip(ct_consts, g_consts)]
     ct_xo = [write_row(acc, g, index) for acc, g in zip(ct_xo, g_xo)]
-    ct_c = _merge(g_carry, [None] * (nk - sum(body.fk)), body.fk)
+    ct_c = merge(g_carry, [None] * (nk - sum(body.fk)), body.fk)
     # Prefetch the next rows from the buffers just written: the only read of a buffer in this
     # iteration then depends on its write, so XLA can prove the in-place updates safe and
     # copies no buffer (reads of old rows unordered with the writes make it copy them all).
@@ -411,10 +325,10 @@ class _BackwardLoop(NamedTuple):
     """``(ct_carry, ct_consts, param stacks, state stacks, ct_xs, statistics)``."""
     body, updater = self.body, self.updater
     nk = body.eqn.params["num_carry"]
-    init = (_merge(_split(ct_carry, body.fk)[0], [None] * (nk - sum(body.fk)), body.fk),
+    init = (merge(split(ct_carry, body.fk)[0], [None] * (nk - sum(body.fk)), body.fk),
             [jnp.zeros_like(c) for c in self.float_consts], tuple(pstacks),
             tuple(tuple(s) for s in self.leaf_slots),
-            [jnp.zeros_like(x) for x in _split(self.xs_other, body.fxo)[0]],
+            [jnp.zeros_like(x) for x in split(self.xs_other, body.fxo)[0]],
             self.fetch(pstacks, self.leaf_slots, self.index_of(0)),
             tuple(_stat_identities(updater, leaf, p, body.length, a) if stats else ()
                   for leaf, p, a in zip(body.site.leaves, pstacks, body.site.axes)))

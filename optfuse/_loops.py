@@ -29,57 +29,17 @@ is too short to pay, or the update mixes rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
-from jax.extend.core import primitives as P
 
 from optfuse import _fused_scan, _jaxpr, _rows
 from optfuse._fused_scan import PreUpdate as PreUpdate
-from optfuse._fused_scan import Site
 from optfuse._plan import UpdatePlan
-
-# Calls whose body the loss interpreter may rewrite: inlined (``jit``...) or re-wrapped
-# (``remat``). Custom-derivative functions keep their own rules, so their bodies are not.
-_INLINED_CALLS = frozenset([P.jit_p, P.closed_call_p, P.call_p])
-_REWRAPPED_CALLS = frozenset([P.remat_p])
-_REWRITTEN_CALLS = _INLINED_CALLS | _REWRAPPED_CALLS
-_OPAQUE = {
-    P.while_p: "the scan sits inside a while_loop (fori_loop), whose body optfuse does not "
-               "rewrite; scan over the layers with lax.scan instead",
-    P.cond_p: "the scan sits inside a cond, whose branches optfuse does not rewrite",
-    P.custom_jvp_call_p: "the scan sits inside a custom_jvp function, whose gradient rule is "
-                         "user-defined",
-    P.custom_vjp_call_p: "the scan sits inside a custom_vjp function, whose gradient rule is "
-                         "user-defined",
-}
-SHARED = ("read more than once (by two scans, or also outside its scan): its gradient is "
-          "complete only after every read, so it is updated once after the backward pass")
-CLOSED_OVER = ("read whole by a loop body (closed over or carried), not as its scanned input: "
-               "its gradient is a sum over the iterations")
-
-
-class _View(NamedTuple):
-  """A value computed from a stacked param leaf, as site finding follows it to a scan.
-
-  Attributes:
-    leaf: the param leaf.
-    axes: ``(stored_axis, axis)`` pairs: where each stored axis that could be the stacked one
-      is in this value (every axis at first; ``_rows.row_params`` moves them).
-    path: the row-preserving equations from the stored leaf to this value.
-    shared: some value on the way (the leaf included) is read more than once.
-    problem: why a scan reading this value cannot fuse the leaf, if it cannot.
-  """
-
-  leaf: int
-  axes: tuple[tuple[int, int], ...]
-  path: tuple[jcore.JaxprEqn, ...]
-  shared: bool = False
-  problem: str | None = None
+from optfuse._sites import REWRAPPED_CALLS, Finder, Refusal, View, entered_calls
 
 
 class _Deferred(NamedTuple):
@@ -148,14 +108,6 @@ def _trace_loss(loss_fn, params_def, param_leaves, args, kwargs):
   return closed, jax.tree.structure(out_shape), dynamic
 
 
-def _use_counts(jaxpr: jcore.Jaxpr) -> dict:
-  counts: dict = {}
-  for atom in [*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]:
-    if isinstance(atom, jcore.Var):
-      counts[atom] = counts.get(atom, 0) + 1
-  return counts
-
-
 def min_loop_length(plan: UpdatePlan, leaf: int) -> int:
   """The shortest loop in which updating ``leaf`` row by row saves memory.
 
@@ -221,155 +173,6 @@ def row_update(plan: UpdatePlan, leaf: int, grad_row, param_row, slot_rows, read
   return out[0], out[1:]
 
 
-# A refusal: ``refuse(leaf, length, axis) -> str | None``, why a leaf scanned by a loop of
-# ``length`` iterations along its stored ``axis`` is not updated inside it (``None``: it is).
-Refusal = Callable[[int, int, int], "str | None"]
-
-
-class _Finder:
-  """Walks the loss jaxpr once, following every float param leaf to the scans that read it."""
-
-  def __init__(self, shapes: list, refuse: Refusal, remat_problem: str | None):
-    self.shapes = shapes
-    self.refuse = refuse
-    self.remat_problem = remat_problem
-    self.remat_depth = 0
-    self.in_remat: set = set()
-    self.sites: dict = {}
-    self.deferred: set = set()
-    self.stacked: dict = {}
-    self.reasons: dict = {}
-
-  def reason(self, leaf: int, why: str) -> None:
-    self.reasons.setdefault(leaf, why)
-
-  def walk(self, jaxpr: jcore.Jaxpr, views: dict, problem: str | None = None) -> list:
-    """Finds the sites in ``jaxpr`` whose invars carry ``views``; returns the views of its
-    outvars."""
-    counts = _use_counts(jaxpr)
-
-    def put(v, w: _View) -> None:
-      views[v] = w._replace(shared=w.shared or counts.get(v, 0) > 1, problem=w.problem or problem)
-
-    given, views = views, {}
-    for v, w in given.items():
-      put(v, w)
-    for eqn in jaxpr.eqns:
-      ins = [views.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
-      if not any(ins):
-        continue
-      prim = eqn.primitive
-      if prim is P.scan_p:
-        self.scan(eqn, ins)
-        continue
-      body = _jaxpr.call_body(eqn)
-      if body is not None and prim in _REWRITTEN_CALLS:
-        self.remat_depth += prim in _REWRAPPED_CALLS
-        outs = self.walk(body.jaxpr, {iv: w for iv, w in zip(body.jaxpr.invars, ins) if w},
-                         self.remat_problem if prim in _REWRAPPED_CALLS else None)
-        self.remat_depth -= prim in _REWRAPPED_CALLS
-        for v, w in zip(eqn.outvars, outs):
-          if w is not None and prim in _INLINED_CALLS:
-            put(v, w)
-      elif prim in _OPAQUE:
-        for inner in _jaxpr_params(eqn):
-          self.walk(inner, {iv: w for iv, w in zip(_operands(eqn, inner), ins) if w},
-                    _OPAQUE[prim])
-      elif prim in _rows.PATH_PRIMITIVES and len(eqn.invars) == 1:
-        put(eqn.outvars[0], self.step(eqn, ins[0]))
-      else:  # followed only to say why a scan that reads the result cannot fuse the leaf
-        w = next(w for w in ins if w)
-        for v in eqn.outvars:
-          put(v, w._replace(axes=(), problem=w.problem or (
-              f"its scan reads it after {prim.name}, which optfuse does not move into the loop "
-              "body")))
-    return [views.get(v) if isinstance(v, jcore.Var) else None for v in jaxpr.outvars]
-
-  def step(self, eqn: jcore.JaxprEqn, w: _View) -> _View:
-    """The view of a path equation's output."""
-    axes = []
-    for stored, axis in w.axes:
-      try:
-        axes.append((stored, _rows.path_axis([eqn], axis, self.shapes[w.leaf][stored])))
-      except _rows.NotRowwise:
-        pass
-    problem = w.problem or (None if axes else f"its rows are mixed by {eqn.primitive.name} on "
-                            "the way to its scan")
-    return _View(w.leaf, tuple(axes), (*w.path, eqn), w.shared, problem)
-
-  def scan(self, eqn: jcore.JaxprEqn, ins: list) -> None:
-    prm = eqn.params
-    start, length = prm["num_consts"] + prm["num_carry"], prm["length"]
-    positions, leaves, axes, paths = [], [], [], []
-    inner: dict = {}
-    for k, (w, iv) in enumerate(zip(ins, prm["jaxpr"].jaxpr.invars)):
-      if w is None:
-        continue
-      if k < start:
-        inner[iv] = w._replace(axes=(), problem=w.problem or CLOSED_OVER)
-        if length in self.shapes[w.leaf]:  # a stack of this loop's length, not scanned
-          self.reason(w.leaf, w.problem or CLOSED_OVER)
-        continue
-      stored = next((s for s, a in w.axes if a == 0 and self.shapes[w.leaf][s] == length), None)
-      if w.problem is None and not w.shared and stored is not None:
-        self.stacked[w.leaf] = stored
-      why = w.problem or (SHARED if w.shared else None)
-      if why is None and stored is None:
-        why = ("no axis of the stored leaf becomes the scanned axis: a reshape or transpose "
-               "on the way mixes the layer axis with another")
-      why = why or self.refuse(w.leaf, length, stored)
-      if why is not None:
-        self.reason(w.leaf, why)
-        continue
-      positions.append(k - start)
-      leaves.append(w.leaf)
-      axes.append(stored)
-      paths.append(w.path)
-    self.walk(prm["jaxpr"].jaxpr, inner)  # for the reasons of loops nested in this one
-    if leaves and self.remat_depth:
-      self.in_remat.update(leaves)
-    if leaves:
-      self.sites[id(eqn)] = Site(tuple(positions), tuple(leaves), tuple(axes), tuple(paths))
-      self.deferred.update(id(e) for path in paths for e in path)
-
-
-def _entered(jaxpr: jcore.Jaxpr, marked: set) -> frozenset:
-  """The call equations (at any depth) whose bodies hold an equation of ``marked``."""
-  found: set = set()
-
-  def holds(jaxpr) -> bool:
-    any_marked = False
-    for eqn in jaxpr.eqns:
-      body = _jaxpr.call_body(eqn) if eqn.primitive in _REWRITTEN_CALLS else None
-      if body is not None and holds(body.jaxpr):
-        found.add(id(eqn))
-      any_marked |= id(eqn) in marked or id(eqn) in found
-    return any_marked
-
-  holds(jaxpr)
-  return frozenset(found)
-
-
-def _jaxpr_params(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
-  """The bodies of a ``while``, ``cond`` or custom-derivative equation."""
-  if eqn.primitive is P.cond_p:
-    return [b.jaxpr for b in eqn.params["branches"]]
-  if eqn.primitive is P.while_p:
-    return [eqn.params["body_jaxpr"].jaxpr]
-  body = _jaxpr.call_body(eqn)
-  return [] if body is None else [body.jaxpr]
-
-
-def _operands(eqn: jcore.JaxprEqn, inner: jcore.Jaxpr) -> list:
-  """The invars of ``inner`` (a body of ``eqn``) lined up with ``eqn``'s operands."""
-  if eqn.primitive is P.cond_p:
-    return [None, *inner.invars]
-  if eqn.primitive is P.while_p:
-    skip = eqn.params["cond_nconsts"]
-    return [None] * skip + list(inner.invars)
-  return list(inner.invars)
-
-
 REMAT_TWO_PASS = ("its scan sits inside jax.checkpoint, whose backward JAX traces once per "
                   "step, and two-pass backward needs two different backward passes")
 
@@ -408,11 +211,11 @@ def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff,
     return None if why is None else f"its update mixes rows ({why})"
 
   shapes = [jnp.shape(p) for p in param_leaves]
-  finder = _Finder(shapes, refuse or default_refuse, remat_problem)
-  views = {jaxpr.invars[i]: _View(i, tuple((a, a) for a in range(len(shapes[i]))), ())
+  finder = Finder(shapes, refuse or default_refuse, remat_problem)
+  views = {jaxpr.invars[i]: View(i, tuple((a, a) for a in range(len(shapes[i]))), ())
            for i in sorted(set(diff))}
   finder.walk(jaxpr, views)
-  entered = _entered(jaxpr, set(finder.sites) | finder.deferred)
+  entered = entered_calls(jaxpr, set(finder.sites) | finder.deferred)
   fused = tuple(sorted(leaf for site in finder.sites.values() for leaf in site.leaves))
   reasons = {leaf: why for leaf, why in finder.reasons.items() if leaf not in fused}
   return LoopPlan(plan.params_def, fused, jaxpr, tuple(closed.consts), finder.sites,
@@ -450,7 +253,7 @@ def _enter(loop_plan: LoopPlan, eqn: jcore.JaxprEqn, ins: list, updater, slots) 
   """Evaluates a call equation's body with its fused scans: inlined, or under the same
   ``jax.checkpoint`` for ``remat``."""
   body = _jaxpr.call_body(eqn)
-  if eqn.primitive not in _REWRAPPED_CALLS:
+  if eqn.primitive not in REWRAPPED_CALLS:
     return _interpret(loop_plan, body.jaxpr, body.consts, ins, updater, slots)
   deferred = [isinstance(x, _Deferred) for x in ins]
   before = set(updater.pre_results)

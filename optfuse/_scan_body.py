@@ -1,0 +1,139 @@
+"""A scan's body as the fused loops call it: its VJP on one iteration's rows, and where each
+residual of that VJP comes from.
+
+The forward loop of a fused scan (``_fused_scan``) stacks only the residuals that are neither
+inputs of the iteration (param rows, constants: read again in the backward) nor computed from
+the loop's constants alone (a causal mask, rotary tables: computed once before the loop, as
+JAX's scan partial evaluation hoists them); ``probe_residuals`` sorts them at trace time by
+following data dependencies through the traced body VJP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from optfuse import _jaxpr, _rows
+from optfuse._sites import Site
+
+
+def is_float_aval(v) -> bool:
+  return jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+def split(values, mask):
+  return [v for v, m in zip(values, mask) if m], [v for v, m in zip(values, mask) if not m]
+
+
+def merge(selected, others, mask):
+  it_s, it_o = iter(selected), iter(others)
+  return [next(it_s) if m else next(it_o) for m in mask]
+
+
+def row_at(x, index, axis: int = 0):
+  return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
+
+
+def write_row(buf, row, index, axis: int = 0):
+  return lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), index, axis)
+
+
+class Residuals(NamedTuple):
+  """Where each residual of the body's VJP comes from in iteration ``l`` of the backward.
+
+  Attributes:
+    treedef: treedef of the VJP function (its leaves are the residuals).
+    sources: per residual, ``("input", k)`` for the ``k``-th flat input of the body's float
+      VJP (constants, carry, param rows after their path, other scanned rows), ``("saved",
+      j)`` for the ``j``-th residual the forward loop stacks, or ``("invariant", j)`` for the
+      ``j``-th residual computed from the constants alone (computed once, before the loop).
+    needs_carry: whether some residual is a carry input (then the forward stacks the carries).
+  """
+
+  treedef: Any
+  sources: tuple[tuple[str, int], ...]
+  needs_carry: bool
+
+
+class Body(NamedTuple):
+  """The scan's body as the fused loops call it: its VJP on one iteration's rows."""
+
+  eqn: jcore.JaxprEqn
+  site: Site
+  is_param_x: list
+  fc: list
+  fk: list
+  fxo: list
+  fout: list
+
+  @property
+  def length(self) -> int:
+    return self.eqn.params["length"]
+
+  def body_rows(self, p_rows, index):
+    """The body's inputs for the stored param rows: each row through its path."""
+    return [_rows.apply_path(path, r, axis, index, self.length)
+            for r, path, axis in zip(p_rows, self.site.paths, self.site.axes)]
+
+  def vjp(self, consts, carry, q_rows, xo_rows):
+    """The body's VJP with respect to its float inputs (``q_rows``: the param rows after their
+    paths); non-float outputs come as aux. Returns ``(outs, pullback, flat_inputs)``."""
+    body = self.eqn.params["jaxpr"]
+    fc, fk, fxo, fout = self.fc, self.fk, self.fxo, self.fout
+    static_consts, static_carry = split(consts, fc)[1], split(carry, fk)[1]
+    static_xo = split(xo_rows, fxo)[1]
+
+    def float_body(f_consts, f_carry, f_params, f_xo):
+      xs = merge(f_params, merge(f_xo, static_xo, fxo), self.is_param_x)
+      out = _jaxpr.evaluate(body.jaxpr, body.consts, [
+          *merge(f_consts, static_consts, fc), *merge(f_carry, static_carry, fk), *xs])
+      return split(out, fout)
+
+    inputs = (split(consts, fc)[0], split(carry, fk)[0], list(q_rows), split(xo_rows, fxo)[0])
+    out_float, pullback, out_static = jax.vjp(float_body, *inputs, has_aux=True)
+    return merge(out_float, out_static, fout), pullback, [x for part in inputs for x in part]
+
+
+def probe_residuals(body: Body, consts, carry, q_rows, xo_rows) -> Residuals:
+  """Where each residual of the body's VJP comes from, decided once at trace time.
+
+  A residual that is an input of the iteration is read again in the backward; one that
+  depends on the constants alone (found by following data dependencies through the traced
+  VJP) is computed once before the loop; the others are stacked by the forward loop.
+  """
+  found: list = []
+
+  def residuals(consts, carry, q_rows, xo_rows):
+    _, pullback, flat_inputs = body.vjp(consts, carry, q_rows, xo_rows)
+    leaves = jax.tree.leaves(pullback)
+    found.append((jax.tree.structure(pullback),
+                  [next((k for k, x in enumerate(flat_inputs) if x is r), None) for r in leaves]))
+    return leaves
+
+  closed = jax.make_jaxpr(residuals)(consts, carry, q_rows, xo_rows)
+  varying = frozenset([0])
+  labels = ([frozenset()] * len(jax.tree.leaves(consts))
+            + [varying] * len(jax.tree.leaves((carry, q_rows, xo_rows))))
+  deps = _jaxpr.output_dependencies(closed.jaxpr, labels)
+  treedef, input_of = found[-1]
+  sources, n_saved, n_invariant = [], 0, 0
+  for k, d in zip(input_of, deps):
+    if k is not None:
+      sources.append(("input", k))
+    elif not d:
+      sources.append(("invariant", n_invariant))
+      n_invariant += 1
+    else:
+      sources.append(("saved", n_saved))
+      n_saved += 1
+  nf = sum(body.fc), sum(body.fc) + sum(body.fk)
+  needs_carry = any(kind == "input" and nf[0] <= k < nf[1] for kind, k in sources)
+  return Residuals(treedef, tuple(sources), needs_carry)
+
+
+def residuals_of(residuals: Residuals, pullback, kind: str) -> list:
+  return [r for r, (s, _) in zip(jax.tree.leaves(pullback), residuals.sources) if s == kind]
