@@ -17,9 +17,9 @@ from optfuse._errors import StateMismatchError as StateMismatchError
 from optfuse._errors import UnknownModeError as UnknownModeError
 from optfuse._fit import FitReport as FitReport
 from optfuse._fit import max_batch_size as max_batch_size
-from optfuse._forward import ForwardState as ForwardState
-from optfuse._forward import from_optax_state as from_optax_state
-from optfuse._forward import to_optax_state as to_optax_state
+from optfuse._forward_state import ForwardState as ForwardState
+from optfuse._forward_state import from_optax_state as from_optax_state
+from optfuse._forward_state import to_optax_state as to_optax_state
 from optfuse._fuse import FusedTransformation as FusedTransformation
 from optfuse._fuse import check_separable as check_separable
 from optfuse._fuse import fuse as fuse

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from optfuse import _backward, _forward, _global, _loops, _plan, _two_pass
+from optfuse._fuse import FusedTransformation
 
 
 class Placements(dict):
@@ -64,8 +65,6 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     >>> optfuse.describe(optax.adam(1e-3), loss, params, jnp.ones(3))
     {"['head']": 'tap', "['layers']": 'loop'}
   """
-  from optfuse._fuse import FusedTransformation  # the API module imports this one
-
   mode, global_ops = "backward", None
   if isinstance(tx, FusedTransformation):
     mode, tx, global_ops = tx.mode, tx.tx, tx.global_ops

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _fuse, _memory
+from optfuse import _checks, _fuse, _memory
 from optfuse._errors import BudgetError
 
 # Decimal units as XLA and ``format_bytes`` print them, binary ones as allocators count.
@@ -262,7 +262,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     True
   """
   budget = parse_budget(budget_bytes)
-  unit = _fuse._check_microbatches(microbatches)
+  unit = _checks.check_microbatches(microbatches)
   modes = (modes,) if isinstance(modes, str) else tuple(_memory.MODES if modes is None else modes)
   fused = {mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops) for mode in modes}
   if _args_bytes(_as_args(args_for(2 * unit))) <= _args_bytes(_as_args(args_for(unit))):

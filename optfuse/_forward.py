@@ -43,47 +43,8 @@ from jax import lax
 from jax.experimental.shard_alike import shard_alike
 
 from optfuse import _accumulate, _backward, _global, _loops, _plan, _rows
-from optfuse._errors import StateMismatchError
-
-
-class ForwardState(NamedTuple):
-  """The optimizer state of ``optfuse.fuse(tx, mode="forward")``.
-
-  ``(params, ForwardState(opt_state, pending_grads, True))`` stands for the params and optax state
-  that ``tx.update(pending_grads, opt_state, params)`` followed by ``optax.apply_updates`` gives:
-  the next step, or ``fx.flush``, applies that update first.
-
-  Attributes:
-    opt_state: the optax state of ``tx`` for the params held, as ``tx.init(params)`` builds it.
-    pending_grads: a tree like the params: the gradient whose update is not applied yet (zeros,
-      and ignored, when ``has_pending`` is false).
-    has_pending: a scalar bool array: whether ``pending_grads`` is still to be applied.
-  """
-
-  opt_state: Any
-  pending_grads: Any
-  has_pending: jax.Array
-
-
-def _no_pending(params, opt_state) -> ForwardState:
-  return ForwardState(opt_state, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.bool_))
-
-
-def _check_forward_state(tx: optax.GradientTransformation, params, state) -> None:
-  from optfuse._fuse import check_state  # the shared check lives with the API
-
-  if not isinstance(state, ForwardState):
-    raise StateMismatchError(
-        f'mode="forward" needs a ForwardState, got {type(state).__name__}. Build it with '
-        "fx.init(params), or convert an optax state with optfuse.from_optax_state(fx, params, "
-        "opt_state).")
-  check_state(tx, params, state.opt_state)
-  if jax.tree.structure(state.pending_grads) != jax.tree.structure(params) or any(
-      jnp.shape(g) != jnp.shape(p)
-      for g, p in zip(jax.tree.leaves(state.pending_grads), jax.tree.leaves(params))):
-    raise StateMismatchError(
-        "the pending gradients of the ForwardState do not match the params (tree structure or "
-        "shapes); the state was built for other params. Rebuild it with fx.init(params).")
+from optfuse._checks import check_microbatches, check_params, is_tracing, signature
+from optfuse._forward_state import ForwardState, check_forward_state, no_pending
 
 
 def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState,
@@ -380,28 +341,26 @@ def _capture() -> optax.GradientTransformation:
 
 def transformation(tx: optax.GradientTransformation):
   """``(init, value_and_update, flush)`` of ``optfuse.fuse(tx, mode="forward")``."""
-  from optfuse._fuse import _check_microbatches, _is_tracing, _signature, check_params
-
   plans: dict = {}
 
   def get_plan(params, opt_state) -> _global.GlobalPlan:
-    if _is_tracing((params, opt_state)):
+    if is_tracing((params, opt_state)):
       return _global.make_global_plan(tx, params, opt_state)
-    key = (_signature(params), _signature(opt_state))
+    key = (signature(params), signature(opt_state))
     if key not in plans:
       plans[key] = _global.make_global_plan(tx, params, opt_state)
     return plans[key]
 
   def init(params) -> ForwardState:
     check_params(params)
-    return _no_pending(params, tx.init(params))
+    return no_pending(params, tx.init(params))
 
   def make_step(loss_fn: Callable, has_aux: bool = False, *, microbatches: int | None = None):
-    k = _check_microbatches(microbatches)
+    k = check_microbatches(microbatches)
 
     def step(params, state, *args, **kwargs):
       check_params(params)
-      _check_forward_state(tx, params, state)
+      check_forward_state(tx, params, state)
       plan = get_plan(params, state.opt_state)
       return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, k)
 
@@ -409,52 +368,8 @@ def transformation(tx: optax.GradientTransformation):
 
   def flush(params, state):
     check_params(params)
-    _check_forward_state(tx, params, state)
+    check_forward_state(tx, params, state)
     params, opt_state, _ = apply_pending(get_plan(params, state.opt_state), params, state)
-    return params, _no_pending(params, opt_state)
+    return params, no_pending(params, opt_state)
 
   return init, make_step, flush
-
-
-def to_optax_state(fx, params, state) -> tuple[Any, Any]:
-  """Flushes a fused state and returns ``(params, optax_state)``.
-
-  Args:
-    fx: the ``FusedTransformation`` ``state`` belongs to.
-    params: the params.
-    state: ``fx``'s state.
-
-  Returns:
-    ``(params, opt_state)`` where ``opt_state`` has the structure of ``fx.tx.init(params)``: in
-    forward mode after applying the pending update, otherwise ``state`` itself.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, optfuse
-    >>> fx = optfuse.fuse(optax.sgd(0.5), mode="forward")
-    >>> params = {"w": jnp.ones(2)}
-    >>> step = fx.value_and_update(lambda p: jnp.sum(p["w"] ** 2))
-    >>> _, params, state = step(params, fx.init(params))
-    >>> params, opt_state = optfuse.to_optax_state(fx, params, state)
-    >>> params["w"].tolist()
-    [0.0, 0.0]
-  """
-  if fx.mode != "forward":
-    return params, state
-  params, state = fx.flush(params, state)
-  return params, state.opt_state
-
-
-def from_optax_state(fx, params, opt_state):
-  """The state of ``fx`` for ``params`` and a plain optax state of ``fx.tx``.
-
-  Args:
-    fx: a ``FusedTransformation``.
-    params: the params ``opt_state`` belongs to.
-    opt_state: a state of ``fx.tx`` (``tx.init(params)`` or a later one).
-
-  Returns:
-    A ``ForwardState`` with nothing pending in forward mode, otherwise ``opt_state`` itself.
-  """
-  if fx.mode != "forward":
-    return opt_state
-  return _no_pending(params, opt_state)

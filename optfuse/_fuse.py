@@ -9,11 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _accumulate, _backward, _forward, _global, _plan, _two_pass
+from optfuse import _accumulate, _backward, _checks, _forward, _global, _plan, _two_pass
 from optfuse._errors import (
-    MicrobatchError,
-    ParamsStructureError,
-    StateMismatchError,
     UnknownModeError,
 )
 
@@ -43,75 +40,6 @@ class FusedTransformation(NamedTuple):
   mode: str
   tx: optax.GradientTransformation
   global_ops: str | None = None
-
-
-def _abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
-
-
-def _signature(tree) -> tuple:
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
-
-
-def _is_tracing(tree) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
-
-
-def check_params(params) -> None:
-  """Raises ``ParamsStructureError`` if a params leaf is not an array."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and not hasattr(leaf, "dtype"):
-      raise ParamsStructureError(
-          f"params leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array; "
-          "convert it with jnp.asarray or move it out of the params tree.")
-
-
-def _params_def_in_state(expected, got, params_def):
-  """The structure of the params ``got`` was built for, where it differs from ``params_def``.
-
-  Walks ``expected`` (the structure of ``tx.init(params)``) and ``got`` together; where
-  ``expected`` holds a copy of the params structure (Adam's ``mu``...) and ``got`` holds another
-  tree, the state was built for other params. ``None`` if no such place is found.
-  """
-  if expected == got or params_def.num_leaves == 0:
-    return None
-  if expected == params_def:
-    return got
-  if (expected.node_data() != got.node_data()
-      or len(expected.children()) != len(got.children())):
-    return None
-  for e, g in zip(expected.children(), got.children()):
-    found = _params_def_in_state(e, g, params_def)
-    if found is not None:
-      return found
-  return None
-
-
-def check_state(tx: optax.GradientTransformation, params, state) -> None:
-  """Raises ``StateMismatchError`` unless ``state`` looks like ``tx.init(params)``."""
-  expected = jax.eval_shape(tx.init, _abstract(params))
-  exp_def, got_def = jax.tree.structure(expected), jax.tree.structure(state)
-  built_for = _params_def_in_state(exp_def, got_def, jax.tree.structure(params))
-  if built_for is not None:
-    raise ParamsStructureError(
-        "the params do not have the tree structure the optimizer state was built for.\n"
-        f"  params:           {jax.tree.structure(params)}\n  state built for:  {built_for}\n"
-        "Pass params with the structure they had at init, or rebuild the state with "
-        "fx.init(params).")
-  if exp_def != got_def:
-    raise StateMismatchError(
-        "the optimizer state does not have the structure tx.init(params) gives for these params "
-        f"and this optimizer.\n  expected: {exp_def}\n  got:      {got_def}\nBuild the state "
-        "with fx.init(params) for the same optimizer and params (after fx.flush, a forward-mode "
-        "state converts with optfuse.to_optax_state).")
-  for path, exp, got in zip(
-      (jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]),
-      jax.tree.leaves(expected), jax.tree.leaves(state)):
-    if jnp.shape(got) != exp.shape:
-      raise StateMismatchError(
-          f"optimizer state leaf {path} has shape {jnp.shape(got)} but tx.init(params) gives "
-          f"{exp.shape}: the state was built for other params. Rebuild it with fx.init(params).")
 
 
 def _off_step(tx, loss_fn, has_aux):
@@ -145,14 +73,6 @@ def _off_step(tx, loss_fn, has_aux):
     return value, jax.tree.unflatten(treedef, new_leaves), new_state
 
   return step
-
-
-def _check_microbatches(microbatches) -> int:
-  if microbatches is None:
-    return 1
-  if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-    raise MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
-  return microbatches
 
 
 def fuse(tx: optax.GradientTransformation, mode: str = "backward",
@@ -198,15 +118,15 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   plans: dict = {}
 
   def get_plan(params, state) -> _plan.UpdatePlan | _global.GlobalPlan:
-    if _is_tracing((params, state)):
+    if _checks.is_tracing((params, state)):
       return make_plan(tx, params, state)
-    key = (_signature(params), _signature(state))
+    key = (_checks.signature(params), _checks.signature(state))
     if key not in plans:
       plans[key] = make_plan(tx, params, state)
     return plans[key]
 
   def init(params):
-    check_params(params)
+    _checks.check_params(params)
     return tx.init(params)
 
   def get_accumulator_plan(params, acc) -> _plan.UpdatePlan:
@@ -222,7 +142,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
 
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
-    k = _check_microbatches(microbatches)
+    k = _checks.check_microbatches(microbatches)
     if mode == "off":
       inner = (_off_step(tx, loss_fn, has_aux) if k == 1
                else _accumulate.optax_step(loss_fn, has_aux, k, tx))
@@ -239,8 +159,8 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
               update_params=False))
 
     def step(params, state, *args, **kwargs):
-      check_params(params)
-      check_state(tx, params, state)
+      _checks.check_params(params)
+      _checks.check_state(tx, params, state)
       return inner(params, state, *args, **kwargs)
 
     return step
@@ -265,5 +185,5 @@ def check_separable(tx: optax.GradientTransformation, params) -> None:
     NonSeparableError: naming the part of the chain whose update of one leaf reads the
       gradients of other leaves.
   """
-  abstract = _abstract(params)
+  abstract = _checks.abstract(params)
   _plan.make_plan(tx, abstract, jax.eval_shape(tx.init, abstract))
