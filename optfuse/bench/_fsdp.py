@@ -348,18 +348,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def write(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
-  """Writes ``fsdp.json`` and ``fsdp.md`` into ``out_dir``.
-
-  Returns:
-    name -> path of the files written.
-  """
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {name: os.path.join(out_dir, f"fsdp.{name}") for name in ("json", "md")}
-  with open(paths["json"], "w") as f:
-    json.dump(list(rows), f, indent=1)
-  with open(paths["md"], "w") as f:
-    f.write(markdown(rows))
-  return paths
+  """Writes ``fsdp.json`` and ``fsdp.md`` into ``out_dir``; returns name -> path."""
+  return _report.write_tables(rows, out_dir, "fsdp", markdown)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import matplotlib.patches
@@ -186,19 +186,25 @@ def fit_markdown(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join([*out, PEAK_NOTE, "", MARGIN_NOTE]) + "\n"
 
 
-def write_fit(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
-  """Writes ``fit.json`` and ``fit.md`` into ``out_dir``.
+def write_tables(rows: Sequence[dict[str, Any]], out_dir: str, stem: str,
+                 render: Callable[[Sequence[dict[str, Any]]], str]) -> dict[str, str]:
+  """Writes ``STEM.json`` (the rows) and ``STEM.md`` (``render(rows)``) into ``out_dir``.
 
   Returns:
     name -> path of the files written.
   """
   os.makedirs(out_dir, exist_ok=True)
-  paths = {name: os.path.join(out_dir, f"fit.{name}") for name in ("json", "md")}
+  paths = {name: os.path.join(out_dir, f"{stem}.{name}") for name in ("json", "md")}
   with open(paths["json"], "w") as f:
     json.dump(list(rows), f, indent=1)
   with open(paths["md"], "w") as f:
-    f.write(fit_markdown(rows))
+    f.write(render(rows))
   return paths
+
+
+def write_fit(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
+  """Writes ``fit.json`` and ``fit.md`` into ``out_dir``; returns name -> path."""
+  return write_tables(rows, out_dir, "fit", fit_markdown)
 
 
 def _plot_label(row: dict[str, Any]) -> str:
