@@ -23,11 +23,8 @@ import optax
 
 from optfuse import _loops
 from optfuse._errors import LossOutputError
+from optfuse._leaves import is_float
 from optfuse._plan import UpdatePlan
-
-
-def is_float(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def keep_int_state(new, old):

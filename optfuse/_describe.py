@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from optfuse import _backward, _forward, _global, _loops, _plan, _two_pass
+from optfuse import _forward, _global, _leaves, _loops, _plan, _two_pass
 from optfuse._fuse import FusedTransformation
 
 
@@ -72,7 +72,7 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
   params = jax.tree.map(spec, params)
   args, kwargs = jax.tree.map(spec, (args, kwargs))
   leaves, params_def = jax.tree.flatten(params)
-  diff = [i for i, p in enumerate(leaves) if _backward.is_float(p)]
+  diff = [i for i, p in enumerate(leaves) if _leaves.is_float(p)]
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   label = lambda i, where: where.get(i, "leaf" if mode == "forward" else "tap") if i in diff \
       else "carried"

@@ -42,7 +42,7 @@ import optax
 from jax import lax
 from jax.experimental.shard_alike import shard_alike
 
-from optfuse import _accumulate, _backward, _global, _loops, _plan, _rows
+from optfuse import _accumulate, _backward, _global, _leaves, _loops, _plan, _rows
 from optfuse._checks import check_microbatches, check_params, is_tracing, signature
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
 
@@ -114,7 +114,7 @@ def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
                                              (axes or {}).get(i, 0))
     else:
       update, slots[i] = plan.run_group(i, grads[i], state, params, cuts)
-      new_params[i] = optax.apply_updates(p, update) if _backward.is_float(p) else p
+      new_params[i] = optax.apply_updates(p, update) if _leaves.is_float(p) else p
   new_state = plan.new_state(state, params, slots, global_state)
   return new_params, new_state, cuts
 
@@ -270,7 +270,7 @@ def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: Forwar
   state_leaves = jax.tree.leaves(state.opt_state)
   pending = jax.tree.unflatten(plan.params_def, grad_leaves)
   capture_plan = _plan.make_plan(_capture(), params, pending)
-  diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
+  diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
   loop_plan = _loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs, diff)
   axes = loop_plan.stacked  # every float leaf a scan reads as its stacked input, any length
   # Inside ``jax.checkpoint`` the forward loop runs again in the backward pass: an update there

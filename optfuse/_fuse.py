@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _accumulate, _backward, _checks, _forward, _global, _plan, _two_pass
+from optfuse import _accumulate, _backward, _checks, _forward, _global, _leaves, _plan, _two_pass
 from optfuse._errors import (
     UnknownModeError,
 )
@@ -45,7 +45,7 @@ class FusedTransformation(NamedTuple):
 def _off_step(tx, loss_fn, has_aux):
   def step(params, state, *args, **kwargs):
     leaves, treedef = jax.tree.flatten(params)
-    diff = [i for i, p in enumerate(leaves) if _backward.is_float(p)]
+    diff = [i for i, p in enumerate(leaves) if _leaves.is_float(p)]
 
     def loss_of_diff(diff_leaves):
       full = list(leaves)
@@ -68,7 +68,7 @@ def _off_step(tx, loss_fn, has_aux):
     updates, new_state = tx.update(grads, state, params, **extra)
     new_state = _backward.keep_int_state(new_state, state)
     new_leaves = jax.tree.leaves(optax.apply_updates(params, updates))
-    new_leaves = [n if _backward.is_float(p) else p for p, n in zip(leaves, new_leaves)]
+    new_leaves = [n if _leaves.is_float(p) else p for p, n in zip(leaves, new_leaves)]
     value = (loss, aux) if has_aux else loss
     return value, jax.tree.unflatten(treedef, new_leaves), new_state
 

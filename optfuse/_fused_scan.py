@@ -33,16 +33,16 @@ from jax import lax
 from jax.extend import core as jcore
 
 from optfuse import _rows
+from optfuse._leaves import is_float_aval
 from optfuse._scan_body import (
-    Body,
-    Residuals,
-    is_float_aval,
-    merge,
-    probe_residuals,
-    residuals_of,
-    row_at,
-    split,
-    write_row,
+  Body,
+  Residuals,
+  merge,
+  probe_residuals,
+  residuals_of,
+  row_at,
+  split,
+  write_row,
 )
 from optfuse._sites import Site
 

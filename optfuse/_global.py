@@ -34,7 +34,7 @@ import optax
 from jax.extend import core as jcore
 from jax.extend.core import primitives
 
-from optfuse import _backward, _jaxpr, _plan, _rows
+from optfuse import _jaxpr, _leaves, _plan, _rows
 from optfuse._errors import NonSeparableError
 
 Deps = frozenset
@@ -447,10 +447,6 @@ def _aval(v) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
 
 
-def _is_float_aval(v) -> bool:
-  return jnp.issubdtype(v.aval.dtype, jnp.inexact)
-
-
 def _stats_plan(graph: _Graph, c: int, n: int, global_outvars: Sequence,
                 names: list[str]) -> StatsPlan:
   """Splits the global stage into per-leaf statistics and a combine step."""
@@ -477,7 +473,7 @@ def _stats_plan(graph: _Graph, c: int, n: int, global_outvars: Sequence,
     add(v)
   for i, leaf_stats in enumerate(stats):
     for v in leaf_stats:
-      if not (_is_float_aval(v) or v.aval.dtype == jnp.bool_):
+      if not (_leaves.is_float_aval(v) or v.aval.dtype == jnp.bool_):
         raise NonSeparableError(
             f"two-pass backward cannot carry a {v.aval.dtype} statistic of leaf {names[i]} "
             'through the backward pass; use mode="forward" for this optimizer.')
@@ -568,9 +564,9 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
   for i, (included, _, _) in enumerate(walks):
     group_outs = tuple(state_outs_of[i])
     # A non-float param has no tap: its state is updated after the backward passes, any dtype.
-    if two_pass and _backward.is_float(params_leaves[i]):
+    if two_pass and _leaves.is_float(params_leaves[i]):
       for k in group_outs:
-        if not _backward.is_float(state_leaves[k]):
+        if not _leaves.is_float(state_leaves[k]):
           raise NonSeparableError(
               f"optimizer state leaf {state_names[k]} has dtype "
               f"{jnp.result_type(state_leaves[k])} and belongs to leaf {param_names[i]}; "

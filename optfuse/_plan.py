@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 
 from optfuse import _jaxpr
 from optfuse._errors import NonSeparableError
+from optfuse._leaves import is_float
 
 
 class LeafGroup(NamedTuple):
@@ -95,10 +96,6 @@ class UpdatePlan(NamedTuple):
                            self.inputs(grads, state, params, self.shared_reads))
 
 
-def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
 # optax transforms whose update requires the loss (line searches, Polyak step sizes,
 # reduce_on_plateau) fail with this TypeError when called without ``value``/``grad``/``value_fn``.
 _MISSING_EXTRA_ARGS = re.compile(r"([\w.]+)\.<locals>\.\w+\(\) missing \d+ required keyword-only")
@@ -108,7 +105,7 @@ def _loss_stand_in(value):
   """A ``value_fn`` for analysis only: like any loss, it reads every float param."""
   def value_fn(params, *args, **kwargs):
     del args, kwargs
-    floats = [x for x in jax.tree.leaves(params) if _is_float(x)]
+    floats = [x for x in jax.tree.leaves(params) if is_float(x)]
     return value + sum(jnp.sum(x).astype(value.dtype) for x in floats)
 
   return value_fn
@@ -222,8 +219,8 @@ def make_plan(tx: optax.GradientTransformation, params, state) -> UpdatePlan:
   for i in range(n):
     outs = tuple(k for k in range(m) if state_deps[k] == frozenset([i]))
     # A non-float param has no tap: its state is updated after the backward pass, any dtype.
-    for k in outs if _is_float(params_leaves[i]) else ():
-      if not _is_float(state_leaves[k]):
+    for k in outs if is_float(params_leaves[i]) else ():
+      if not is_float(state_leaves[k]):
         raise NonSeparableError(
             f"optimizer state leaf {_paths(state)[k]} has dtype {jnp.result_type(state_leaves[k])} "
             "and depends on a gradient; backward fusion can only carry float state in the "

@@ -13,16 +13,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
 from optfuse import _jaxpr, _rows
 from optfuse._sites import Site
-
-
-def is_float_aval(v) -> bool:
-  return jnp.issubdtype(v.aval.dtype, jnp.inexact)
 
 
 def split(values, mask):

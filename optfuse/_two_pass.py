@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _backward, _global, _loops, _plan
+from optfuse import _backward, _global, _leaves, _loops, _plan
 from optfuse._errors import NonSeparableError
 
 
@@ -147,7 +147,7 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
   extra = None if extra_grads is None else plan.params_def.flatten_up_to(extra_grads)
-  diff = [i for i, p in enumerate(param_leaves) if _backward.is_float(p)]
+  diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
   updater = _Updater(plan, state_leaves, param_leaves, extra)
   # A scanned leaf is updated inside the backward loop when its rows can be reduced to its
   # statistics one at a time and updated one at a time; otherwise it gets a tap.
@@ -240,7 +240,7 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
       params_out[i], slots_out[i] = new_params[i], new_slots[i]
     else:
       new_p, slots_out[i] = apply(i, unfired_grad(i), p, slots_of(i), cuts)
-      if _backward.is_float(p):
+      if _leaves.is_float(p):
         params_out[i] = new_p
       else:  # not trained: optax's zero-gradient update would promote its int slots to float
         slots_out[i] = _backward.keep_int_state(slots_out[i], slots_of(i))
