@@ -1,0 +1,186 @@
+"""Every row rule on its own: a row evaluated alone equals the same row of the full evaluation.
+
+For each primitive of ``_row_rules.ROW_RULES`` a small function binds it on values stacked along
+axis 0 or axis 1 (``L`` rows); ``_rows.evaluate_rows`` evaluates that function's jaxpr on each
+row, and the result must equal the row of the whole evaluation, exactly (a row rule reorders no
+arithmetic). Cases that would mix rows must raise ``NotRowwise``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optfuse import _jaxpr, _row_rules, _rows
+
+L = 4
+_MESH = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+
+# name -> (function of stacked inputs, input shapes and dtypes, stacked axis of the inputs).
+# Shapes are given for stacked axis 0; axis-1 cases move the axis (see ``_inputs``).
+F32 = jnp.float32
+I32 = jnp.int32
+U32 = jnp.uint32
+UNARY = ("abs acos acosh asin asinh atan atanh cbrt ceil cos cosh exp exp2 expm1 floor log log1p "
+         "logistic neg rsqrt sign sin sinh sqrt square tan tanh erf erfc lgamma digamma "
+         "bessel_i0e bessel_i1e is_finite").split()
+BINARY = "add sub mul div max min pow atan2 rem nextafter eq ne lt le gt ge igamma igammac".split()
+
+
+def _unary(name):
+  fn = getattr(lax, name)
+  # Domains: acosh wants >= 1, acos/asin/atanh/erf_inv (-1, 1); the inputs are in (1.1, 1.9)
+  # for acosh and (0.1, 0.9) otherwise.
+  return (lambda x: fn(x + 1.0)) if name == "acosh" else fn
+
+
+CASES: dict[str, tuple] = {
+    **{name: (_unary(name), [((L, 3, 5), F32)]) for name in UNARY},
+    **{name: (getattr(lax, name), [((L, 3, 5), F32), ((L, 3, 5), F32)]) for name in BINARY},
+    "erf_inv": (lax.erf_inv, [((L, 3, 5), F32)]),
+    "round": (lambda x: lax.round(x * 10), [((L, 3, 5), F32)]),
+    "polygamma": (lambda x: lax.polygamma(jnp.ones_like(x), x), [((L, 3, 5), F32)]),
+    "zeta": (lambda x: lax.zeta(x + 2.0, x), [((L, 3, 5), F32)]),
+    "integer_pow": (lambda x: lax.integer_pow(x, 3), [((L, 3, 5), F32)]),
+    "convert_element_type": (lambda x: x.astype(jnp.bfloat16), [((L, 3, 5), F32)]),
+    "reduce_precision": (lambda x: lax.reduce_precision(x, 5, 10), [((L, 3, 5), F32)]),
+    "copy": (lambda x: jnp.array(x, copy=True), [((L, 3, 5), F32)]),
+    "clamp": (lambda x: lax.clamp(0.3, x, 0.7), [((L, 3, 5), F32)]),
+    "select_n": (lambda x, y: lax.select(x > 0.5, x, y), [((L, 3, 5), F32), ((L, 3, 5), F32)]),
+    "complex": (lambda x, y: jnp.abs(lax.complex(x, y)), [((L, 3, 5), F32), ((L, 3, 5), F32)]),
+    "real": (lambda x, y: lax.real(lax.complex(x, y)), [((L, 3, 5), F32), ((L, 3, 5), F32)]),
+    "imag": (lambda x, y: lax.imag(lax.complex(x, y)), [((L, 3, 5), F32), ((L, 3, 5), F32)]),
+    "conj": (lambda x, y: lax.real(lax.conj(lax.complex(x, y))),
+             [((L, 3, 5), F32), ((L, 3, 5), F32)]),
+    "and": (lax.bitwise_and, [((L, 3, 5), I32), ((L, 3, 5), I32)]),
+    "or": (lax.bitwise_or, [((L, 3, 5), I32), ((L, 3, 5), I32)]),
+    "xor": (lax.bitwise_xor, [((L, 3, 5), I32), ((L, 3, 5), I32)]),
+    "not": (lax.bitwise_not, [((L, 3, 5), I32)]),
+    "clz": (lax.clz, [((L, 3, 5), I32)]),
+    "population_count": (lax.population_count, [((L, 3, 5), I32)]),
+    "shift_left": (lambda x: lax.shift_left(x, jnp.full_like(x, 2)), [((L, 3, 5), U32)]),
+    "shift_right_logical": (lambda x: lax.shift_right_logical(x, jnp.full_like(x, 2)),
+                            [((L, 3, 5), U32)]),
+    "shift_right_arithmetic": (lambda x: lax.shift_right_arithmetic(x, jnp.full_like(x, 2)),
+                               [((L, 3, 5), I32)]),
+    "stop_gradient": (lax.stop_gradient, [((L, 3, 5), F32)]),
+    "broadcast_in_dim": (lambda x: lax.broadcast_in_dim(x, (L, 2, 3, 5), (0, 2, 3)),
+                         [((L, 3, 5), F32)]),
+    "reshape": (lambda x: x.reshape(L, 15), [((L, 3, 5), F32)]),
+    "transpose": (lambda x: x.transpose(0, 2, 1), [((L, 3, 5), F32)]),
+    "squeeze": (lambda x: lax.squeeze(x, (1,)), [((L, 1, 5), F32)]),
+    "slice": (lambda x: x[:, 1:3, ::2], [((L, 3, 5), F32)]),
+    "concatenate": (lambda x, y: jnp.concatenate([x, y], axis=2),
+                    [((L, 3, 5), F32), ((L, 3, 5), F32)]),
+    "dot_general": (lambda x, y: jnp.einsum("lij,ljk->lik", x, y),
+                    [((L, 3, 5), F32), ((L, 5, 2), F32)]),
+    "sharding_constraint": (lambda x: jax.lax.with_sharding_constraint(
+        x, NamedSharding(_MESH, P(None, "x"))), [((L, 3, 5), F32)]),
+    **{name: (lambda x, name=name: getattr(lax, f"{name}")(x, axis=2), [((L, 3, 5), F32)])
+       for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
+    **{f"reduce_{name}": (lambda x, name=name: getattr(jnp, name)(x, axis=(1, 2)),
+                          [((L, 3, 5), F32)]) for name in ("sum", "max", "min", "prod")},
+    "argmax": (lambda x: jnp.argmax(x, axis=2), [((L, 3, 5), F32)]),
+    "argmin": (lambda x: jnp.argmin(x, axis=2), [((L, 3, 5), F32)]),
+    "reduce_and": (lambda x: jnp.all(x > 0.5, axis=2), [((L, 3, 5), F32)]),
+    "reduce_or": (lambda x: jnp.any(x > 0.5, axis=2), [((L, 3, 5), F32)]),
+    "reduce_xor": (lambda x: lax.reduce_xor_p.bind(x, axes=(2,)),
+                   [((L, 3, 5), I32)]),
+}
+
+
+def _inputs(specs, axis: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  xs = []
+  for shape, dtype in specs:
+    if jnp.issubdtype(dtype, jnp.integer):
+      x = rng.integers(1, 1000, shape).astype(dtype)
+    else:
+      x = rng.uniform(0.1, 0.9, shape).astype(dtype)
+    xs.append(jnp.moveaxis(jnp.asarray(x), 0, axis))
+  return xs
+
+
+def _stacked_along(fn, axis: int):
+  """``fn`` on inputs stacked along ``axis``, its outputs stacked along ``axis`` too (the row
+  rules then meet the stacked axis in the middle of every shape, as MaxText's stacks put it)."""
+  def stacked(*xs):
+    outs = fn(*(jnp.moveaxis(x, axis, 0) for x in xs))
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, axis), outs)
+  return stacked
+
+
+def _check_rows_equal_full(fn, specs, axis: int):
+  xs = _inputs(specs, axis)
+  stacked = _stacked_along(fn, axis)
+  closed = jax.make_jaxpr(stacked)(*xs)
+  full = jax.tree.leaves(stacked(*xs))
+  for index in range(L):
+    rows = [lax.index_in_dim(x, index, axis, keepdims=False) for x in xs]
+    got = _rows.evaluate_rows(closed.jaxpr, closed.consts, rows, [True] * len(rows), index, L,
+                              axis=axis)
+    want = [lax.index_in_dim(y, index, axis, keepdims=False) for y in full]
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _out_rank(name) -> int:
+  fn, specs = CASES[name]
+  outs = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(s, d) for s, d in specs))
+  return min(len(o.shape) for o in jax.tree.leaves(outs))
+
+
+# Axis 1 for every case whose outputs have a second axis to stack along (reductions to one
+# value per row have none).
+AXIS_CASES = [(name, 0) for name in sorted(CASES)] + [
+    (name, 1) for name in sorted(CASES) if _out_rank(name) > 1]
+
+
+@pytest.mark.parametrize("name,axis", AXIS_CASES)
+def test_a_row_evaluated_alone_equals_the_row_of_the_full_evaluation(name, axis):
+  fn, specs = CASES[name]
+  _check_rows_equal_full(fn, specs, axis)
+
+
+def test_every_row_rule_has_a_case():
+  bound = set()
+
+  def collect(jaxpr):
+    for eqn in jaxpr.eqns:
+      bound.add(eqn.primitive)
+      body = _jaxpr.call_body(eqn)
+      if body is not None:
+        collect(body.jaxpr)
+
+  for fn, specs in CASES.values():
+    xs = _inputs(specs, 0)
+    collect(jax.make_jaxpr(fn)(*xs).jaxpr)
+  missing = {p.name for p in _row_rules.ROW_RULES} - {p.name for p in bound}
+  assert not missing, missing
+
+
+MIXING = {
+    "reduction over the stacked axis": (lambda x: jnp.sum(x, axis=0, keepdims=True) * x,
+                                        [((L, 3, 5), F32)]),
+    "cumsum along the stacked axis": (lambda x: jnp.cumsum(x, axis=0), [((L, 3, 5), F32)]),
+    "reshape merging the stacked axis": (lambda x: x.reshape(L * 3, 5)[:L].reshape(L, 5),
+                                         [((L, 3, 5), F32)]),
+    "dot_general contracting it": (lambda x: jnp.einsum("lij,lik->jk", x, x)[:3][None] * x,
+                                   [((L, 3, 5), F32)]),
+    "a primitive without a rule": (lambda x: jnp.flip(x, axis=0), [((L, 3, 5), F32)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIXING))
+def test_an_equation_that_mixes_rows_raises_not_rowwise(case):
+  fn, specs = MIXING[case]
+  xs = _inputs(specs, 0)
+  closed = jax.make_jaxpr(fn)(*xs)
+  row = lax.index_in_dim(xs[0], 0, 0, keepdims=False)
+  with pytest.raises(_rows.NotRowwise):
+    _rows.evaluate_rows(closed.jaxpr, closed.consts, [row], [True], 0, L)
