@@ -125,20 +125,11 @@ class FitReport(Mapping):
       nxt, peaks = self.next_batch(mode), self.peaks[mode]
       rows[mode] = [mode, str(batch), _memory.format_bytes(peaks.get(batch)), str(nxt),
                     _memory.format_bytes(peaks.get(nxt)), str(len(peaks))]
-    widths = [max(len(cells[i]) for cells in [header, *rows.values()]) for i in range(len(header))]
-    widths[0] = max([widths[0], *map(len, self.unavailable)])
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False))
     title = (f"largest batch within {_memory.format_bytes(self.budget_bytes)} "
              f"({self.budget_bytes} bytes) of compiled peak memory")
     if self.microbatches:
       title += f", in multiples of {self.microbatches} microbatches"
-    lines = [title, fmt(header)]
-    for mode in sorted([*rows, *self.unavailable], key=_memory.MODES.index):
-      if mode in rows:
-        lines.append(fmt(rows[mode]))
-      else:
-        lines.append(fmt([mode, f"unavailable: {_memory.first_sentence(self.unavailable[mode])}"]))
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join([title, *_memory.mode_table(header, rows, self.unavailable)])
 
   def __str__(self) -> str:
     return self.table()

@@ -100,6 +100,22 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
   return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *args, **(kwargs or {}))
 
 
+def mode_table(header: list[str], rows: Mapping[str, list[str]],
+               unavailable: Mapping[str, str]) -> list[str]:
+  """Fixed-width lines: the header, then one line per mode in ``MODES`` order, the modes of
+  ``unavailable`` with the first sentence of their reason."""
+  widths = [max(len(cells[i]) for cells in [header, *rows.values()]) for i in range(len(header))]
+  widths[0] = max([widths[0], *map(len, unavailable)])
+  fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip()
+  lines = [fmt(header)]
+  for mode in MODES:
+    if mode in rows:
+      lines.append(fmt(rows[mode]))
+    elif mode in unavailable:
+      lines.append(fmt([mode, f"unavailable: {first_sentence(unavailable[mode])}"]))
+  return lines
+
+
 class MemoryReport(Mapping):
   """Compiled memory per mode: ``report[mode]`` is a dict with the keys of ``FIELDS`` (bytes).
 
@@ -131,16 +147,7 @@ class MemoryReport(Mapping):
     for mode, row in self._rows.items():
       ratio = f"{row['peak_bytes'] / base:.2f}x" if base else "-"
       rows[mode] = [mode, *(format_bytes(row[k]) for k in FIELDS), ratio]
-    widths = [max(len(cells[i]) for cells in [header, *rows.values()]) for i in range(len(header))]
-    widths[0] = max([widths[0], *map(len, self.unavailable)])
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False))
-    lines = [fmt(header)]
-    for mode in MODES:
-      if mode in rows:
-        lines.append(fmt(rows[mode]))
-      elif mode in self.unavailable:
-        lines.append(fmt([mode, f"unavailable: {first_sentence(self.unavailable[mode])}"]))
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join(mode_table(header, rows, self.unavailable))
 
   def __str__(self) -> str:
     return self.table()
