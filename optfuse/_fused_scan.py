@@ -196,6 +196,8 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
     q_rows = body.body_rows(p_rows, 0)
     xo_rows = [row_at(x, 0) for x in xs_other]
     residuals = probe_residuals(body, consts, carry, q_rows, xo_rows)
+    if all(kind != "invariant" for kind, _ in residuals.sources):
+      return residuals, []  # no second trace of the body's VJP
     _, pullback, _ = body.vjp(consts, carry, q_rows, xo_rows)
     return residuals, residuals_of(residuals, pullback, "invariant")
 
