@@ -255,18 +255,14 @@ def _enter(loop_plan: LoopPlan, eqn: jcore.JaxprEqn, ins: list, updater, slots) 
   body = _jaxpr.call_body(eqn)
   if eqn.primitive not in REWRAPPED_CALLS:
     return _interpret(loop_plan, body.jaxpr, body.consts, ins, updater, slots)
+  # Forward fusion updates no row inside a checkpoint (``LoopPlan.in_remat``), so nothing but
+  # the outputs leaves it.
   deferred = [isinstance(x, _Deferred) for x in ins]
-  before = set(updater.pre_results)
 
   def rematted(*arrays):
     vals = [_Deferred(a) if d else a for a, d in zip(arrays, deferred)]
-    outs = _interpret(loop_plan, body.jaxpr, body.consts, vals, updater, slots)
-    # Forward fusion's updated stacks leave the checkpoint as outputs, not as tracers of it.
-    new = sorted(set(updater.pre_results) - before)
-    return outs, {leaf: updater.pre_results.pop(leaf) for leaf in new}
+    return _interpret(loop_plan, body.jaxpr, body.consts, vals, updater, slots)
 
   arrays = [x.value if d else x for x, d in zip(ins, deferred)]
-  outs, pre = jax.checkpoint(rematted, prevent_cse=eqn.params["prevent_cse"],
-                             policy=eqn.params["policy"])(*arrays)
-  updater.pre_results.update(pre)
-  return outs
+  return jax.checkpoint(rematted, prevent_cse=eqn.params["prevent_cse"],
+                        policy=eqn.params["policy"])(*arrays)
