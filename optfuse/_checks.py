@@ -10,7 +10,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse._errors import MicrobatchError, ParamsStructureError, StateMismatchError
+from optfuse._errors import (
+    LossOutputError,
+    MicrobatchError,
+    ParamsStructureError,
+    StateMismatchError,
+)
 
 
 def abstract(tree):
@@ -88,3 +93,27 @@ def check_microbatches(microbatches) -> int:
   if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
     raise MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
   return microbatches
+
+
+def check_loss(value, has_aux: bool):
+  """Splits ``value`` into ``(loss, aux)`` and checks that the loss is a float scalar."""
+  if has_aux:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+      returned = (f"an array of shape {jnp.shape(value)}" if hasattr(value, "shape")
+                  else f"a {type(value).__name__}")
+      raise LossOutputError(
+          "has_aux=True but the loss function did not return a (loss, aux) pair; it returned "
+          f"{returned}. Return (loss, aux) or use has_aux=False.")
+    loss, aux = value
+  else:
+    loss, aux = value, None
+  if isinstance(loss, (tuple, list, dict)):
+    raise LossOutputError(
+        f"the loss function returned a {type(loss).__name__}, not a scalar; if it returns "
+        "(loss, aux), pass has_aux=True.")
+  shape, dtype = jnp.shape(loss), jnp.result_type(loss)
+  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+    raise LossOutputError(
+        f"the loss must be a float scalar, got shape {shape} and dtype {dtype}; reduce it "
+        "(e.g. with .mean()) and make it floating point.")
+  return loss, aux

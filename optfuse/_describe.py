@@ -7,8 +7,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from optfuse import _forward, _global, _leaves, _loops, _plan, _two_pass
-from optfuse._fuse import FusedTransformation
+from optfuse import _fuse, _leaves
 
 
 class Placements(dict):
@@ -65,46 +64,20 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     >>> optfuse.describe(optax.adam(1e-3), loss, params, jnp.ones(3))
     {"['head']": 'tap', "['layers']": 'loop'}
   """
-  mode, global_ops = "backward", None
-  if isinstance(tx, FusedTransformation):
-    mode, tx, global_ops = tx.mode, tx.tx, tx.global_ops
+  engine = (_fuse.make_engine(tx.tx, tx.mode, tx.global_ops)
+            if isinstance(tx, _fuse.FusedTransformation) else _fuse.make_engine(tx))
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   params = jax.tree.map(spec, params)
   args, kwargs = jax.tree.map(spec, (args, kwargs))
-  leaves, params_def = jax.tree.flatten(params)
-  diff = [i for i, p in enumerate(leaves) if _leaves.is_float(p)]
+  leaves = jax.tree.leaves(params)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  label = lambda i, where: where.get(i, "leaf" if mode == "forward" else "tap") if i in diff \
-      else "carried"
-  if mode == "off":
-    return Placements({path: "optax" if i in diff else "carried"
-                       for i, path in enumerate(paths)}, {})
+  state = jax.eval_shape(engine.init, params)
   found: list = []
-  if mode == "forward":
-    state = jax.eval_shape(_forward.transformation(tx)[0], params)
-    plan = _global.make_global_plan(tx, params, state.opt_state)
-
-    def analyze(p, s, a, kw):
-      where = _forward.placement(plan, loss_fn, p, s, a, kw)
-      placed = {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
-      return placed, where.loop_plan.reasons
-  else:
-    state = jax.eval_shape(tx.init, params)
-    plan = (_two_pass.make_plan if global_ops == "two_pass" else _plan.make_plan)(tx, params,
-                                                                                  state)
-
-    def analyze(p, s, a, kw):
-      s = jax.tree.leaves(s)
-      refuse = None
-      if isinstance(plan, _global.GlobalPlan):  # two-pass: as _two_pass.value_and_update
-        refuse = lambda leaf, length, axis: plan.row_refusal(
-            leaf, s, plan.params_def.flatten_up_to(p), stats=True, axis=axis)
-      loop_plan = _loops.analyze(loss_fn, plan, p, s, a, kw, diff, refuse=refuse,
-                                 remat_problem=refuse and _loops.REMAT_TWO_PASS)
-      return dict.fromkeys(loop_plan.fused_leaves, "loop"), loop_plan.reasons
-
-  jax.eval_shape(lambda *xs: found.append(analyze(*xs)), params, state, args, kwargs)
+  jax.eval_shape(lambda p, s, a, kw: found.append(engine.placements(loss_fn, p, s, a, kw)),
+                 params, state, args, kwargs)
   placed, reasons = found[0]
-  return Placements({path: label(i, placed) for i, path in enumerate(paths)},
+  diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
+  label = lambda i: placed.get(i, engine.unplaced) if i in diff else "carried"
+  return Placements({path: label(i) for i, path in enumerate(paths)},
                     {paths[i]: why for i, why in reasons.items()
                      if i in diff and placed.get(i) != "loop"})

@@ -42,12 +42,15 @@ import optax
 from jax import lax
 from jax.experimental.shard_alike import shard_alike
 
-from optfuse import _accumulate, _backward, _global, _leaves, _loops, _plan, _rows
-from optfuse._checks import check_microbatches, check_params, is_tracing, signature
+from optfuse import _accumulate, _fused_step, _global, _leaves, _loops, _split
+from optfuse._checks import check_params
+from optfuse._engine import Step
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
+from optfuse._plan import Plan, PlanCache
+from optfuse._row_buffers import row_at, row_loop
 
 
-def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState,
+def apply_pending(plan: Plan, params, state: ForwardState,
                   rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
                   axes: dict | None = None) -> tuple[Any, Any, list]:
   """Applies the pending update, if any: ``(params, opt_state, cuts)``.
@@ -97,7 +100,7 @@ def apply_pending(plan: _global.GlobalPlan, params, state: ForwardState,
           jax.tree.unflatten(plan.state_def, new_state), cuts)
 
 
-def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
+def _update(plan: Plan, grads: list, state: list, params: list,
             rows: frozenset[int], deferred: frozenset[int] = frozenset(), axes: dict | None = None
             ) -> tuple[list, list, list]:
   """Flat ``(new_params, new_state, cuts)``: ``plan.update`` and ``optax.apply_updates``,
@@ -119,7 +122,7 @@ def _update(plan: _global.GlobalPlan, grads: list, state: list, params: list,
   return new_params, new_state, cuts
 
 
-def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts, axis: int = 0
+def _update_rows(plan: Plan, i: int, grads, state, params, cuts, axis: int = 0
                  ) -> tuple[Any, list]:
   """Leaf ``i``'s new param and state slots, one row per iteration, written in place.
 
@@ -129,29 +132,21 @@ def _update_rows(plan: _global.GlobalPlan, i: int, grads, state, params, cuts, a
   """
   group, length = plan.groups[i], jnp.shape(params[i])[axis]
 
-  def fetch(param, slots, index):
-    at = lambda x: lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
-    return at(param), [at(s) for s in slots]
-
-  def body(index, carry):
-    param, slots, (param_row, slot_rows) = carry
-    grad_row = lax.dynamic_index_in_dim(grads[i], index, axis, keepdims=False)
+  def body(k, index, rows, carry):
+    del k
+    param_row, slot_rows = rows
+    grad_row = row_at(grads[i], index, axis)
     update, new_slots = plan.run_group_row(i, state, params, cuts,
                                            (grad_row, param_row, slot_rows), index, length, axis)
-    put = lambda buf, r: lax.dynamic_update_index_in_dim(buf, r.astype(buf.dtype), index, axis)
-    param = put(param, optax.apply_updates(param_row, update))
-    slots = [put(s, r) for s, r in zip(slots, new_slots)]
-    # Prefetch the next rows from the buffers just written: every read of a buffer then follows
-    # its write, and XLA updates the buffers in place (rows of old ``mu`` and ``nu`` read next to
-    # their writes make it copy both buffers, as in ``_loops``).
-    return param, slots, fetch(param, slots, jnp.minimum(index + 1, length - 1))
+    return (optax.apply_updates(param_row, update), new_slots), carry
 
-  param, slots = params[i], [state[k] for k in group.state_outs]
-  param, slots, _ = lax.fori_loop(0, length, body, (param, slots, fetch(param, slots, 0)))
+  buffers = (params[i], [state[k] for k in group.state_outs])
+  (param, slots), _ = row_loop(length, lambda k: k, buffers, (axis, [axis] * len(buffers[1])),
+                               body, ())
   return param, slots
 
 
-def _microbatch_step(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params,
+def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
                      state: ForwardState, args: tuple, kwargs: dict, microbatches: int):
   """A forward-fused step over ``microbatches`` slices of the batch: ``(value, params, state)``.
 
@@ -169,10 +164,10 @@ def _microbatch_step(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   value, params, new_state = value_and_update(plan, scaled, has_aux, params, state, first_args,
                                               first_kwargs)
   acc = new_state.pending_grads
-  acc_plan = _plan.make_plan(_accumulate.accumulator(), params, acc)
+  acc_plan = _split.make_plan(_accumulate.accumulator(), params, acc)
 
   def body(acc, batch):
-    value, _, acc = _backward.value_and_update(acc_plan, scaled, has_aux, params, acc, *batch,
+    value, _, acc = _fused_step.value_and_update(acc_plan, scaled, has_aux, params, acc, *batch,
                                                update_params=False)
     return acc, value
 
@@ -186,7 +181,7 @@ def _microbatch_step(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   return value, params, _next_state(new_state.opt_state, acc, state.pending_grads)
 
 
-def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params,
+def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
                      state: ForwardState, args: tuple, kwargs: dict,
                      microbatches: int = 1) -> tuple[Any, Any, Any]:
   """One forward-fused step: ``(value, params, state)``.
@@ -221,7 +216,7 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   pre = {i: _pre_update(plan, i, grad_leaves, state_leaves, param_leaves, cuts,
                         state.has_pending, where.axes) for i in in_loop}
   pending = jax.tree.unflatten(plan.params_def, grad_leaves)
-  value, _, grads, updated = _backward.value_and_update(
+  value, _, grads, updated = _fused_step.value_and_update(
       where.capture_plan, loss_fn, has_aux, params, pending, args, kwargs, update_params=False,
       loop_plan=where.loop_plan, pre_updates=pre)
   if in_loop:
@@ -247,7 +242,7 @@ class Placement(NamedTuple):
     axes: leaf -> stacked axis of every stacked leaf.
   """
 
-  capture_plan: _plan.UpdatePlan
+  capture_plan: Plan
   loop_plan: _loops.LoopPlan
   in_loop: frozenset[int]
   rows: frozenset[int]
@@ -257,7 +252,7 @@ class Placement(NamedTuple):
     return self.loop_plan.stacked
 
 
-def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: ForwardState,
+def placement(plan: Plan, loss_fn: Callable, params, state: ForwardState,
               args: tuple, kwargs: dict) -> Placement:
   """Decides, from shapes alone, where each leaf's pending update runs.
 
@@ -269,7 +264,7 @@ def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: Forwar
   grad_leaves = plan.params_def.flatten_up_to(state.pending_grads)
   state_leaves = jax.tree.leaves(state.opt_state)
   pending = jax.tree.unflatten(plan.params_def, grad_leaves)
-  capture_plan = _plan.make_plan(_capture(), params, pending)
+  capture_plan = _split.make_plan(_capture(), params, pending)
   diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
   loop_plan = _loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs, diff)
   axes = loop_plan.stacked  # every float leaf a scan reads as its stacked input, any length
@@ -283,7 +278,7 @@ def placement(plan: _global.GlobalPlan, loss_fn: Callable, params, state: Forwar
   return Placement(capture_plan, loop_plan, in_loop, rows)
 
 
-def _pre_update(plan: _global.GlobalPlan, i: int, grads: list, state: list, params: list,
+def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
                 cuts: list, has_pending, axes: dict) -> _loops.PreUpdate:
   """Leaf ``i``'s pending update as a ``PreUpdate``: row by row, inside the forward loop.
 
@@ -292,20 +287,12 @@ def _pre_update(plan: _global.GlobalPlan, i: int, grads: list, state: list, para
   """
   axis = axes.get(i, 0)
   group, length = plan.groups[i], jnp.shape(params[i])[axis]
-  grad_at, param_at = object(), object()
-  slots_at = [object() for _ in group.state_outs]
-  args, is_row = plan.row_inputs(i, state, params, cuts, (grad_at, param_at, slots_at))
-  places = {id(x): pos for pos, x in enumerate(args)}
-  operands = ([None if r else a for a, r in zip(args, is_row)], has_pending)
+  operands = (plan.readonly(i, state, params, cuts), has_pending)
 
   def row_fn(grad_row, param_row, slot_rows, operands, index):
-    args, enabled = operands
-    args = list(args)
-    for at, row in [(grad_at, grad_row), (param_at, param_row), *zip(slots_at, slot_rows)]:
-      if id(at) in places:
-        args[places[id(at)]] = row
-    update, *new_slots = _rows.evaluate_rows(group.jaxpr, (), args, is_row, index, length,
-                                             axis=axis)
+    (state, params, cuts), enabled = operands
+    update, new_slots = plan.run_group_row(i, state, params, cuts,
+                                           (grad_row, param_row, slot_rows), index, length, axis)
     keep = lambda new, old: jnp.where(enabled, new.astype(old.dtype), old)
     return (keep(optax.apply_updates(param_row, update), param_row),
             [keep(new, old) for new, old in zip(new_slots, slot_rows)])
@@ -339,37 +326,37 @@ def _capture() -> optax.GradientTransformation:
   return optax.GradientTransformation(init, update)
 
 
-def transformation(tx: optax.GradientTransformation):
-  """``(init, value_and_update, flush)`` of ``optfuse.fuse(tx, mode="forward")``."""
-  plans: dict = {}
+class ForwardEngine:
+  """``mode="forward"``: leaves placed "loop" (inside a scan's forward loop), "rows" (row by row
+  before the loss) or "leaf" (whole, before the loss)."""
 
-  def get_plan(params, opt_state) -> _global.GlobalPlan:
-    if is_tracing((params, opt_state)):
-      return _global.make_global_plan(tx, params, opt_state)
-    key = (signature(params), signature(opt_state))
-    if key not in plans:
-      plans[key] = _global.make_global_plan(tx, params, opt_state)
-    return plans[key]
+  unplaced = "leaf"
 
-  def init(params) -> ForwardState:
+  def __init__(self, tx: optax.GradientTransformation):
+    self.tx = tx
+    self.plans = PlanCache(lambda params, opt_state: _global.make_global_plan(tx, params,
+                                                                              opt_state))
+
+  def init(self, params) -> ForwardState:
     check_params(params)
-    return no_pending(params, tx.init(params))
+    return no_pending(params, self.tx.init(params))
 
-  def make_step(loss_fn: Callable, has_aux: bool = False, *, microbatches: int | None = None):
-    k = check_microbatches(microbatches)
-
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
     def step(params, state, *args, **kwargs):
       check_params(params)
-      check_forward_state(tx, params, state)
-      plan = get_plan(params, state.opt_state)
-      return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, k)
+      check_forward_state(self.tx, params, state)
+      plan = self.plans(params, state.opt_state)
+      return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, microbatches)
 
     return step
 
-  def flush(params, state):
+  def flush(self, params, state):
     check_params(params)
-    check_forward_state(tx, params, state)
-    params, opt_state, _ = apply_pending(get_plan(params, state.opt_state), params, state)
+    check_forward_state(self.tx, params, state)
+    params, opt_state, _ = apply_pending(self.plans(params, state.opt_state), params, state)
     return params, no_pending(params, opt_state)
 
-  return init, make_step, flush
+  def placements(self, loss_fn, params, state, args, kwargs):
+    where = placement(self.plans(params, state.opt_state), loss_fn, params, state, args, kwargs)
+    placed = {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
+    return placed, where.loop_plan.reasons

@@ -6,13 +6,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from optfuse import _accumulate, _backward, _checks, _forward, _global, _leaves, _plan, _two_pass
-from optfuse._errors import (
-    UnknownModeError,
-)
+from optfuse import _checks, _split
+from optfuse._backward import BackwardEngine
+from optfuse._engine import Engine
+from optfuse._errors import UnknownModeError
+from optfuse._forward import ForwardEngine
+from optfuse._off import OffEngine
+from optfuse._two_pass import TwoPassEngine
 
 MODES = ("backward", "forward", "off")
 GLOBAL_OPS = (None, "two_pass")
@@ -42,37 +44,29 @@ class FusedTransformation(NamedTuple):
   global_ops: str | None = None
 
 
-def _off_step(tx, loss_fn, has_aux):
-  def step(params, state, *args, **kwargs):
-    leaves, treedef = jax.tree.flatten(params)
-    diff = [i for i, p in enumerate(leaves) if _leaves.is_float(p)]
+# The engine of each mode (``_engine.Engine``); ``ENGINE_OF`` names the engine of a
+# ``(mode, global_ops)`` pair where it is not the mode's own.
+ENGINES: dict[str, Callable[[optax.GradientTransformation], Engine]] = {
+    "off": OffEngine,
+    "backward": BackwardEngine,
+    "two_pass": TwoPassEngine,
+    "forward": ForwardEngine,
+}
+ENGINE_OF = {("backward", "two_pass"): "two_pass"}
 
-    def loss_of_diff(diff_leaves):
-      full = list(leaves)
-      for i, x in zip(diff, diff_leaves):
-        full[i] = x
-      return _backward.check_loss(loss_fn(jax.tree.unflatten(treedef, full), *args, **kwargs),
-                                  has_aux)
 
-    (loss, aux), diff_grads = jax.value_and_grad(loss_of_diff, has_aux=True)(
-        [leaves[i] for i in diff])
-    grads = [jnp.zeros_like(p) for p in leaves]
-    for i, g in zip(diff, diff_grads):
-      grads[i] = g
-    grads = jax.tree.unflatten(treedef, grads)
-    extra = {}
-    if isinstance(tx, optax.GradientTransformationExtraArgs):
-      # What line searches, Polyak step sizes and reduce_on_plateau read; others ignore it.
-      value_fn = lambda p: _backward.check_loss(loss_fn(p, *args, **kwargs), has_aux)[0]
-      extra = dict(value=loss, grad=grads, value_fn=value_fn)
-    updates, new_state = tx.update(grads, state, params, **extra)
-    new_state = _backward.keep_int_state(new_state, state)
-    new_leaves = jax.tree.leaves(optax.apply_updates(params, updates))
-    new_leaves = [n if _leaves.is_float(p) else p for p, n in zip(leaves, new_leaves)]
-    value = (loss, aux) if has_aux else loss
-    return value, jax.tree.unflatten(treedef, new_leaves), new_state
+def make_engine(tx: optax.GradientTransformation, mode: str = "backward",
+                global_ops: str | None = None) -> Engine:
+  """The engine that runs ``tx`` in ``mode``, with ``global_ops``.
 
-  return step
+  Raises:
+    UnknownModeError: ``mode`` or ``global_ops`` is not one ``fuse`` accepts.
+  """
+  if mode not in MODES:
+    raise UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
+  if global_ops not in GLOBAL_OPS:
+    raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
+  return ENGINES[ENGINE_OF.get((mode, global_ops), mode)](tx)
 
 
 def fuse(tx: optax.GradientTransformation, mode: str = "backward",
@@ -108,67 +102,13 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     >>> float(loss)
     5.0
   """
-  if mode not in MODES:
-    raise UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
-  if global_ops not in GLOBAL_OPS:
-    raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
-  if mode == "forward":
-    return FusedTransformation(*_forward.transformation(tx), mode, tx)
-  make_plan = _two_pass.make_plan if global_ops == "two_pass" else _plan.make_plan
-  plans: dict = {}
-
-  def get_plan(params, state) -> _plan.UpdatePlan | _global.GlobalPlan:
-    if _checks.is_tracing((params, state)):
-      return make_plan(tx, params, state)
-    key = (_checks.signature(params), _checks.signature(state))
-    if key not in plans:
-      plans[key] = make_plan(tx, params, state)
-    return plans[key]
-
-  def init(params):
-    _checks.check_params(params)
-    return tx.init(params)
-
-  def get_accumulator_plan(params, acc) -> _plan.UpdatePlan:
-    return _plan.make_plan(_accumulate.accumulator(), params, acc)
-
-  def fused(loss_fn, has_aux, params, state, args, kwargs, extra_grads=None):
-    plan = get_plan(params, state)
-    if isinstance(plan, _global.GlobalPlan):
-      return _two_pass.value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
-                                        extra_grads)
-    return _backward.value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
-                                      extra_grads)
+  engine = make_engine(tx, mode, global_ops)
 
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
-    k = _checks.check_microbatches(microbatches)
-    if mode == "off":
-      inner = (_off_step(tx, loss_fn, has_aux) if k == 1
-               else _accumulate.optax_step(loss_fn, has_aux, k, tx))
-    elif k == 1:
-      inner = lambda params, state, *args, **kwargs: fused(loss_fn, has_aux, params, state, args,
-                                                           kwargs)
-    else:
-      inner = _accumulate.fused_step(
-          loss_fn, has_aux, k,
-          lambda loss, params, state, args, kwargs, extra: fused(loss, has_aux, params, state,
-                                                                 args, kwargs, extra),
-          lambda loss, params, acc, args, kwargs, _: _backward.value_and_update(
-              get_accumulator_plan(params, acc), loss, has_aux, params, acc, args, kwargs,
-              update_params=False))
+    return engine.step(loss_fn, has_aux, _checks.check_microbatches(microbatches))
 
-    def step(params, state, *args, **kwargs):
-      _checks.check_params(params)
-      _checks.check_state(tx, params, state)
-      return inner(params, state, *args, **kwargs)
-
-    return step
-
-  def flush(params, state):
-    return params, state
-
-  return FusedTransformation(init, value_and_update, flush, mode, tx, global_ops)
+  return FusedTransformation(engine.init, value_and_update, engine.flush, mode, tx, global_ops)
 
 
 def check_separable(tx: optax.GradientTransformation, params) -> None:
@@ -186,4 +126,4 @@ def check_separable(tx: optax.GradientTransformation, params) -> None:
       gradients of other leaves.
   """
   abstract = _checks.abstract(params)
-  _plan.make_plan(tx, abstract, jax.eval_shape(tx.init, abstract))
+  _split.make_plan(tx, abstract, jax.eval_shape(tx.init, abstract))

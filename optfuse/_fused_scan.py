@@ -34,16 +34,8 @@ from jax.extend import core as jcore
 
 from optfuse import _rows
 from optfuse._leaves import is_float_aval
-from optfuse._scan_body import (
-  Body,
-  Residuals,
-  merge,
-  probe_residuals,
-  residuals_of,
-  row_at,
-  split,
-  write_row,
-)
+from optfuse._row_buffers import row_at, row_loop, write_row
+from optfuse._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._sites import Site
 
 
@@ -107,6 +99,91 @@ class PreUpdate(NamedTuple):
   row_fn: Any
 
 
+class _ForwardLoop(NamedTuple):
+  """The forward loop of a fused scan, which stacks the residuals its backward loop reads.
+
+  With pre-updates (forward fusion) iteration ``l`` first updates row ``l`` of those leaves'
+  param and slot stacks in place, then runs the body on the new param row.
+  """
+
+  body: Body
+  pre: tuple  # per fused leaf, its ``PreUpdate`` or ``None``
+  pre_in: tuple  # per fused leaf, ``(grads, slots, operands)`` of its ``PreUpdate`` or ``None``
+
+  def index_of(self, k):
+    return self.body.length - 1 - k if self.body.eqn.params["reverse"] else k
+
+  def fetch_slots(self, slot_stacks, index):
+    return tuple(None if u is None else tuple(row_at(t, index, a) for t in s)
+                 for s, u, a in zip(slot_stacks, self.pre, self.body.site.axes))
+
+  def pre_update(self, j: int, stacks: list, slot_stacks: list, slot_rows, index):
+    """Row ``index`` of leaf ``j``'s param, updated in place in ``stacks``/``slot_stacks``."""
+    axis, (grads, _, operands) = self.body.site.axes[j], self.pre_in[j]
+    p_row, s_rows = self.pre[j].row_fn(row_at(grads, index, axis), row_at(stacks[j], index, axis),
+                                       list(slot_rows), operands, index)
+    p_row = p_row.astype(stacks[j].dtype)
+    stacks[j] = write_row(stacks[j], p_row, index, axis)
+    slot_stacks[j] = tuple(write_row(t, r, index, axis) for t, r in zip(slot_stacks[j], s_rows))
+    return p_row
+
+  def run(self, pstacks, consts, carry, xs_other, residuals: Residuals | None):
+    """``(carry, ys, saved residuals, carries, pre_out, param stacks)``; residuals are stacked
+    (and the carries, if the backward needs them) only when ``residuals`` is given."""
+    body, pre = self.body, self.pre
+    nk, length, save = body.eqn.params["num_carry"], body.length, residuals is not None
+
+    def step(state, xo_rows):
+      k, c, stacks, slot_stacks, rows = state
+      index = self.index_of(k)
+      stacks, slot_stacks, p_rows = list(stacks), list(slot_stacks), []
+      for j, (u, axis) in enumerate(zip(pre, body.site.axes)):
+        p_rows.append(row_at(pstacks[j], index, axis) if u is None
+                      else self.pre_update(j, stacks, slot_stacks, rows[j], index))
+      out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)
+      saved = residuals_of(residuals, pullback, "saved") if save else []
+      # Prefetch the next slot rows from the buffers just written (``_row_buffers``): XLA
+      # recomputes a new slot row inside each of its consumers, so rows read in this iteration
+      # would be read again after the in-place write and XLA would copy the whole stack every
+      # iteration to keep them. The param row is read once, before its write.
+      rows = self.fetch_slots(slot_stacks, self.index_of(jnp.minimum(k + 1, length - 1)))
+      carries = c if save and residuals.needs_carry else None
+      return (k + 1, out[:nk], tuple(stacks), tuple(slot_stacks), rows), (out[nk:], saved,
+                                                                        carries)
+
+    slot_stacks = tuple(u[1] if u is not None else () for u in self.pre_in)
+    stacks = tuple(None if u is None else p for p, u in zip(pstacks, pre))
+    init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks,
+            self.fetch_slots(slot_stacks, self.index_of(0)))
+    (_, carry_out, stacks, slot_stacks, _), (ys, saved, carries) = lax.scan(
+        step, init, list(xs_other), length=length, reverse=body.eqn.params["reverse"],
+        unroll=body.eqn.params["unroll"])
+    pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))
+    new_pstacks = tuple(p if u is None else q for p, q, u in zip(pstacks, stacks, pre))
+    return carry_out, ys, saved, carries, pre_out, new_pstacks
+
+  def probe(self, pstacks, consts, carry, xs_other) -> tuple[Residuals, list]:
+    """The residuals of the body's VJP, and the loop-invariant ones, computed once."""
+    body = self.body
+    q_rows = body.body_rows([row_at(p, 0, a) for p, a in zip(pstacks, body.site.axes)], 0)
+    xo_rows = [row_at(x, 0) for x in xs_other]
+    residuals = probe_residuals(body, consts, carry, q_rows, xo_rows)
+    if all(kind != "invariant" for kind, _ in residuals.sources):
+      return residuals, []  # no second trace of the body's VJP
+    _, pullback, _ = body.vjp(consts, carry, q_rows, xo_rows)
+    return residuals, residuals_of(residuals, pullback, "invariant")
+
+
+def _body(eqn: jcore.JaxprEqn, site: Site, is_param_x: list) -> Body:
+  prm = eqn.params
+  nc, nk, body_jaxpr = prm["num_consts"], prm["num_carry"], prm["jaxpr"].jaxpr
+  return Body(
+      eqn, site, is_param_x, [is_float_aval(v) for v in body_jaxpr.invars[:nc]],
+      [is_float_aval(v) for v in body_jaxpr.invars[nc:nc + nk]],
+      [is_float_aval(v) for v, p in zip(body_jaxpr.invars[nc + nk:], is_param_x) if not p],
+      [is_float_aval(v) for v in body_jaxpr.outvars])
+
+
 def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dict, ins: list
                ) -> list:
   """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place.
@@ -121,97 +198,33 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   Returns:
     The scan's outputs.
   """
-  prm = eqn.params
-  nc, nk, length, reverse = prm["num_consts"], prm["num_carry"], prm["length"], prm["reverse"]
-  body_jaxpr = prm["jaxpr"].jaxpr
+  nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
   consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
   is_param_x = [pos in site.positions for pos in range(len(xs_in))]
   pstacks = tuple(xs_in[pos] for pos in site.positions)
   xs_other = [x for x, p in zip(xs_in, is_param_x) if not p]
-  axes = site.axes
   leaf_slots = tuple(slots[leaf] for leaf in site.leaves)
   readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
   extras = tuple(None if updater.extra is None else updater.extra[leaf] for leaf in site.leaves)
   stat_in = tuple(updater.stat_inputs.get(leaf, ()) for leaf in site.leaves)
   pre = tuple(updater.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
-  body = Body(
-      eqn, site, is_param_x, [is_float_aval(v) for v in body_jaxpr.invars[:nc]],
-      [is_float_aval(v) for v in body_jaxpr.invars[nc:nc + nk]],
-      [is_float_aval(v) for v, p in zip(body_jaxpr.invars[nc + nk:], is_param_x) if not p],
-      [is_float_aval(v) for v in body_jaxpr.outvars])
-  fxo = body.fxo
-  info: list[tuple[Residuals, list]] = []
-
-  def forward_index(k):
-    return length - 1 - k if reverse else k
-
-  def fetch_pre(slot_stacks, index):
-    return tuple(None if u is None else tuple(row_at(t, index, a) for t in s)
-                 for s, u, a in zip(slot_stacks, pre, axes))
-
-  def forward_loop(pstacks, consts, carry, xs_other, save):
-    """The forward loop: outputs, stacked residuals and carries, and with ``pre`` the updated
-    param and slot stacks. Each leaf of ``pre`` has its row updated in place right before the
-    body reads it."""
-    residuals = info[-1][0] if save else None
-
-    def step(state, xo_rows):
-      k, c, stacks, slot_stacks, rows = state
-      index = forward_index(k)
-      stacks, slot_stacks, p_rows = list(stacks), list(slot_stacks), []
-      for j, u in enumerate(pre):
-        p_row = row_at(pstacks[j] if u is None else stacks[j], index, axes[j])
-        if u is not None:
-          grad_row = row_at(pre_in[j][0], index, axes[j])
-          p_row, s_rows = u.row_fn(grad_row, p_row, list(rows[j]), pre_in[j][2], index)
-          p_row = p_row.astype(stacks[j].dtype)
-          stacks[j] = write_row(stacks[j], p_row, index, axes[j])
-          slot_stacks[j] = tuple(write_row(t, r, index, axes[j])
-                                 for t, r in zip(slot_stacks[j], s_rows))
-        p_rows.append(p_row)
-      out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)
-      saved = residuals_of(residuals, pullback, "saved") if save else []
-      # Prefetch the next slot rows from the buffers just written, as the backward loop does:
-      # XLA recomputes a new slot row inside each of its consumers, so rows read in this
-      # iteration would be read again after the in-place write and XLA would copy the whole
-      # stack every iteration to keep them. The param row is read once, before its write.
-      rows = fetch_pre(slot_stacks, forward_index(jnp.minimum(k + 1, length - 1)))
-      carries = c if save and residuals.needs_carry else None
-      return (k + 1, out[:nk], tuple(stacks), tuple(slot_stacks), rows), (out[nk:], saved,
-                                                                        carries)
-
-    slot_stacks = tuple(u[1] if u is not None else () for u in pre_in)
-    stacks = tuple(None if u is None else p for p, u in zip(pstacks, pre))
-    init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks,
-            fetch_pre(slot_stacks, forward_index(0)))
-    (_, carry_out, stacks, slot_stacks, _), (ys, saved, carries) = lax.scan(
-        step, init, list(xs_other), length=length, reverse=reverse, unroll=prm["unroll"])
-    pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))
-    new_pstacks = tuple(p if u is None else q for p, q, u in zip(pstacks, stacks, pre))
-    return carry_out, ys, saved, carries, pre_out, new_pstacks
-
-  def probe(pstacks, consts, carry, xs_other):
-    p_rows = [row_at(p, 0, a) for p, a in zip(pstacks, axes)]
-    q_rows = body.body_rows(p_rows, 0)
-    xo_rows = [row_at(x, 0) for x in xs_other]
-    residuals = probe_residuals(body, consts, carry, q_rows, xo_rows)
-    if all(kind != "invariant" for kind, _ in residuals.sources):
-      return residuals, []  # no second trace of the body's VJP
-    _, pullback, _ = body.vjp(consts, carry, q_rows, xo_rows)
-    return residuals, residuals_of(residuals, pullback, "invariant")
+  body = _body(eqn, site, is_param_x)
+  info: list[Residuals] = []
 
   @jax.custom_vjp
   def fscan(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
-    del leaf_slots, readonly, extras, pre_in, stat_in
-    carry_out, ys, _, _, pre_out, _ = forward_loop(pstacks, consts, carry, xs_other, False)
+    del leaf_slots, readonly, extras, stat_in
+    loop = _ForwardLoop(body, pre, pre_in)
+    carry_out, ys, _, _, pre_out, _ = loop.run(pstacks, consts, carry, xs_other, None)
     return (*carry_out, *ys), pre_out
 
   def fwd(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
-    residuals, invariant = probe(pstacks, list(consts), list(carry), list(xs_other))
-    info.append((residuals, invariant))
-    carry_out, ys, saved, carries, pre_out, pstacks = forward_loop(pstacks, consts, carry,
-                                                                   xs_other, True)
+    loop = _ForwardLoop(body, pre, pre_in)
+    residuals, invariant = loop.probe(pstacks, list(consts), list(carry), list(xs_other))
+    info.append(residuals)
+    carry_out, ys, saved, carries, pre_out, pstacks = loop.run(pstacks, consts, carry, xs_other,
+                                                               residuals)
     res = (pstacks, leaf_slots, readonly, extras, stat_in, consts, carries, saved, invariant,
            xs_other)
     return ((*carry_out, *ys), pre_out), res
@@ -219,18 +232,16 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   def bwd(res, cts):
     (pstacks, leaf_slots, readonly, extras, stat_in, consts, carries, saved, invariant,
      xs_other) = res
-    residuals = info[-1][0]
     for leaf in site.leaves:
       updater.fired.add(leaf)
     cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
-    ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
     float_consts = split(consts, body.fc)[0]
-    loop = _BackwardLoop(body, updater, residuals, leaf_slots, readonly, extras, float_consts,
-                         carries, saved, invariant, xs_other, ct_ys)
+    loop = _BackwardLoop(body, updater, info[-1], leaf_slots, readonly, extras, float_consts,
+                         carries, saved, invariant, xs_other, list(cts[nk:]))
     stats = updater.stage == "stats"
-    ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, ct_carry, stats)
+    ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, list(cts[:nk]), stats)
     ct_consts_full = merge(ct_consts, [None] * (nc - sum(body.fc)), body.fc)
-    ct_xo_full = merge(ct_xo, [None] * (len(xs_other) - sum(fxo)), fxo)
+    ct_xo_full = merge(ct_xo, [None] * (len(xs_other) - sum(body.fxo)), body.fxo)
     if stats:  # the statistics leave as the cotangents of their zero inputs
       ct_stats = tuple(tuple(a.astype(z.dtype) for a, z in zip(acc, zeros))
                        for acc, zeros in zip(accs, stat_in))
@@ -266,11 +277,6 @@ class _BackwardLoop(NamedTuple):
   def index_of(self, k):
     return k if self.body.eqn.params["reverse"] else self.body.length - 1 - k
 
-  def fetch(self, stacks, state_stacks, index):
-    axes = self.body.site.axes
-    return ([row_at(p, index, a) for p, a in zip(stacks, axes)],
-            [[row_at(s, index, a) for s in slots] for slots, a in zip(state_stacks, axes)])
-
   def pullback(self, index, c_row, q_rows, xo_rows):
     """The body's pullback at iteration ``index``, rebuilt from its residuals."""
     body, residuals = self.body, self.residuals
@@ -281,11 +287,13 @@ class _BackwardLoop(NamedTuple):
     leaves = [by_kind[kind][k] for kind, k in residuals.sources]
     return jax.tree.unflatten(residuals.treedef, leaves)
 
-  def iteration(self, k, state, stats: bool):
+  def iteration(self, index, rows, carry, stats: bool):
+    """Iteration ``index``: the body's pullback, then each leaf's row updated (or, with
+    ``stats``, reduced into its statistics); returns the new rows and the carry."""
     body, updater, site = self.body, self.updater, self.body.site
     length, nk = body.length, body.eqn.params["num_carry"]
-    ct_c, ct_consts, stacks, state_stacks, ct_xo, (p_rows, slot_rows), accs = state
-    index = self.index_of(k)
+    ct_c, ct_consts, ct_xo, accs = carry
+    p_rows, slot_rows = rows
     c_row = [row_at(c, index) for c in self.carries] if self.residuals.needs_carry else [None] * nk
     xo_rows = [row_at(x, index) for x in self.xs_other]
     # The param rows go through their paths (a cast, a transpose) inside the loop; the
@@ -295,48 +303,46 @@ class _BackwardLoop(NamedTuple):
     pullback = self.pullback(index, c_row, q_rows, xo_rows)
     g_consts, g_carry, g_q, g_xo = pullback([*split(ct_c, body.fk)[0], *ct_y_row])
     (g_params,) = path_vjp(list(g_q))
-    new_stacks, new_state_stacks, accs = list(stacks), list(state_stacks), list(accs)
+    new_p_rows, new_slot_rows, accs = [None] * len(p_rows), [None] * len(p_rows), list(accs)
     for j, (leaf, axis) in enumerate(zip(site.leaves, site.axes)):
       g = g_params[j]
       if self.extras[j] is not None:
         g = g + row_at(self.extras[j], index, axis).astype(g.dtype)
       if stats:
         partials = updater.row_stats(leaf, g, index, length, axis)
-        accs[j] = tuple(_rows.ROW_COMBINE[r](a, v.astype(a.dtype))
+        accs[j] = tuple(_rows.ROW_COMBINE[r].combine(a, v.astype(a.dtype))
                         for a, (v, r) in zip(accs[j], partials))
+        new_slot_rows[j] = [None] * len(slot_rows[j])
         continue
       update, new_slots = updater.row_update(leaf, g, p_rows[j], slot_rows[j], self.readonly[j],
                                              index, length, axis)
       if updater.update_params:
-        new_stacks[j] = write_row(stacks[j], (p_rows[j] + update).astype(p_rows[j].dtype),
-                                  index, axis)
-      new_state_stacks[j] = tuple(write_row(s, r, index, axis)
-                                  for s, r in zip(state_stacks[j], new_slots))
+        new_p_rows[j] = (p_rows[j] + update).astype(p_rows[j].dtype)
+      new_slot_rows[j] = list(new_slots)
     ct_consts = [a + b for a, b in zip(ct_consts, g_consts)]
     ct_xo = [write_row(acc, g, index) for acc, g in zip(ct_xo, g_xo)]
     ct_c = merge(g_carry, [None] * (nk - sum(body.fk)), body.fk)
-    # Prefetch the next rows from the buffers just written: the only read of a buffer in this
-    # iteration then depends on its write, so XLA can prove the in-place updates safe and
-    # copies no buffer (reads of old rows unordered with the writes make it copy them all).
-    next_index = self.index_of(jnp.minimum(k + 1, length - 1))
-    prefetched = self.fetch(new_stacks, new_state_stacks, next_index)
-    return (ct_c, ct_consts, tuple(new_stacks), tuple(new_state_stacks), ct_xo, prefetched,
-            tuple(accs))
+    return (new_p_rows, new_slot_rows), (ct_c, ct_consts, ct_xo, tuple(accs))
 
   def run(self, pstacks, ct_carry, stats: bool):
-    """``(ct_carry, ct_consts, param stacks, state stacks, ct_xs, statistics)``."""
-    body, updater = self.body, self.updater
+    """``(ct_carry, ct_consts, param stacks, state stacks, ct_xs, statistics)``.
+
+    The param and state stacks are updated in place by ``_row_buffers.row_loop``, which
+    prefetches each iteration's rows from the buffers the previous one wrote.
+    """
+    body, updater, axes = self.body, self.updater, self.body.site.axes
     nk = body.eqn.params["num_carry"]
-    init = (merge(split(ct_carry, body.fk)[0], [None] * (nk - sum(body.fk)), body.fk),
-            [jnp.zeros_like(c) for c in self.float_consts], tuple(pstacks),
-            tuple(tuple(s) for s in self.leaf_slots),
-            [jnp.zeros_like(x) for x in split(self.xs_other, body.fxo)[0]],
-            self.fetch(pstacks, self.leaf_slots, self.index_of(0)),
-            tuple(_stat_identities(updater, leaf, p, body.length, a) if stats else ()
-                  for leaf, p, a in zip(body.site.leaves, pstacks, body.site.axes)))
-    ct_c, ct_consts, stacks, state_stacks, ct_xo, _, accs = lax.fori_loop(
-        0, body.length, lambda k, s: self.iteration(k, s, stats), init)
-    return ct_c, ct_consts, stacks, state_stacks, ct_xo, accs
+    carry = (merge(split(ct_carry, body.fk)[0], [None] * (nk - sum(body.fk)), body.fk),
+             [jnp.zeros_like(c) for c in self.float_consts],
+             [jnp.zeros_like(x) for x in split(self.xs_other, body.fxo)[0]],
+             tuple(_stat_identities(updater, leaf, p, body.length, a) if stats else ()
+                   for leaf, p, a in zip(body.site.leaves, pstacks, axes)))
+    buffers = (list(pstacks), [list(s) for s in self.leaf_slots])
+    buffer_axes = (list(axes), [[a] * len(s) for s, a in zip(self.leaf_slots, axes)])
+    (stacks, state_stacks), (ct_c, ct_consts, ct_xo, accs) = row_loop(
+        body.length, self.index_of, buffers, buffer_axes,
+        lambda k, index, rows, carry: self.iteration(index, rows, carry, stats), carry)
+    return ct_c, ct_consts, stacks, [tuple(s) for s in state_stacks], ct_xo, accs
 
 
 def _stat_identities(updater, leaf: int, stack, length: int, axis: int) -> tuple:
@@ -346,12 +352,4 @@ def _stat_identities(updater, leaf: int, stack, length: int, axis: int) -> tuple
   shape = jnp.shape(stack)
   row = jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1:], jnp.result_type(stack))
   jax.eval_shape(lambda g: found.append(updater.row_stats(leaf, g, 0, length, axis)) or 0, row)
-
-  def identity(partial, reduction):
-    dtype, shape = partial.dtype, partial.shape
-    if reduction in ("reduce_max", "reduce_min"):
-      big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
-      return jnp.full(shape, -big if reduction == "reduce_max" else big, dtype)
-    return jnp.full(shape, reduction == "reduce_and", dtype)
-
-  return tuple(identity(p, r) for p, r in found[0])
+  return tuple(_rows.ROW_COMBINE[r].identity(p.shape, p.dtype) for p, r in found[0])

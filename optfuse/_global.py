@@ -26,7 +26,6 @@ backward pass emits each leaf's statistics and whose second updates every leaf w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,232 +33,15 @@ import optax
 from jax.extend import core as jcore
 from jax.extend.core import primitives
 
-from optfuse import _jaxpr, _leaves, _plan, _rows
+from optfuse import _jaxpr, _leaves, _split
 from optfuse._errors import NonSeparableError
+from optfuse._plan import LeafGroup, Plan, StatsPlan
 
 Deps = frozenset
 
 
-class StatsPlan(NamedTuple):
-  """The global stage as per-leaf statistics and a combine step.
-
-  Every jaxpr here and in ``GlobalPlan`` takes, of the flat inputs ``(consts, grads, state,
-  params, ...)``, only those its ``reads`` mask selects.
-
-  Attributes:
-    stats: for each param leaf, the shapes/dtypes of the statistics it contributes.
-    stat_jaxprs: for each param leaf, a jaxpr from ``(consts, grads, state, params)`` to its
-      statistics (it reads only that leaf's gradient).
-    stat_reads: which inputs each ``stat_jaxprs`` entry reads.
-    combine_jaxpr: from ``(consts, grads, state, params, *statistics of every leaf in leaf
-      order)`` to ``(*cuts, *global state leaves)``; it reads no gradient.
-    combine_reads: which inputs ``combine_jaxpr`` reads.
-  """
-
-  stats: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]
-  stat_jaxprs: tuple[jcore.Jaxpr, ...]
-  stat_reads: tuple[tuple[bool, ...], ...]
-  combine_jaxpr: jcore.Jaxpr
-  combine_reads: tuple[bool, ...]
-
-
-class GlobalPlan(NamedTuple):
-  """``tx.update`` for one params/state signature, split into a global stage and leaf groups.
-
-  Attributes:
-    params_def: treedef of the params.
-    state_def: treedef of the optimizer state.
-    num_params: number of param leaves ``n``.
-    num_state: number of state leaves ``m``.
-    consts: constants of the traced update, the leading inputs of the jaxprs below.
-    cuts: shapes/dtypes of the values the global stage hands to the groups.
-    global_outs: flat indices of the state leaves the global stage writes.
-    global_jaxpr: from ``(consts, grads, state, params)`` to
-      ``(*cuts, *new_state[global_outs])``.
-    global_reads: which inputs ``global_jaxpr`` reads.
-    groups: one ``LeafGroup`` per param leaf; its jaxpr maps ``(consts, grads, state, params,
-      *cuts)`` to ``(update, *new_state[state_outs])`` and reads no gradient but the leaf's own.
-    shared_outs: flat indices of the state leaves that depend on no gradient.
-    shared_jaxpr: from ``(consts, grads, state, params)`` to those state leaves.
-    shared_reads: which inputs ``shared_jaxpr`` reads.
-    stats: the global stage as per-leaf statistics, or ``None`` unless asked for.
-  """
-
-  params_def: Any
-  state_def: Any
-  num_params: int
-  num_state: int
-  consts: tuple[Any, ...]
-  cuts: tuple[jax.ShapeDtypeStruct, ...]
-  global_outs: tuple[int, ...]
-  global_jaxpr: jcore.Jaxpr
-  global_reads: tuple[bool, ...]
-  groups: tuple[_plan.LeafGroup, ...]
-  shared_outs: tuple[int, ...]
-  shared_jaxpr: jcore.Jaxpr
-  shared_reads: tuple[bool, ...]
-  stats: StatsPlan | None
-
-  @property
-  def is_separable(self) -> bool:
-    """Whether the update of every leaf reads only its own gradient."""
-    return not self.cuts and not self.global_outs
-
-  def _eval(self, jaxpr, reads, grads, state, params, extra=()):
-    flat = [*self.consts, *grads, *state, *params, *extra]
-    return _jaxpr.evaluate(jaxpr, (), [x for x, r in zip(flat, reads) if r])
-
-  def run_global(self, grads, state, params) -> tuple[list[Any], list[Any]]:
-    """``(cuts, new_state[global_outs])`` from the flat gradients, state and params."""
-    out = self._eval(self.global_jaxpr, self.global_reads, grads, state, params)
-    return out[:len(self.cuts)], out[len(self.cuts):]
-
-  def run_shared(self, state, params) -> list[Any]:
-    """The state leaves that depend on no gradient."""
-    return self._eval(self.shared_jaxpr, self.shared_reads, [None] * self.num_params, state,
-                      params)
-
-  def run_group(self, i: int, grad, state, params, cuts) -> tuple[Any, list[Any]]:
-    """``(update, new_state[groups[i].state_outs])`` of leaf ``i``, from its gradient and cuts."""
-    grads = [None] * self.num_params
-    grads[i] = grad
-    group = self.groups[i]
-    out = self._eval(group.jaxpr, group.reads, grads, state, params, cuts)
-    return out[0], list(out[1:])
-
-  def row_inputs(self, i: int, state, params, cuts, rows) -> tuple[list, list[bool]]:
-    """The inputs leaf ``i``'s group jaxpr reads, and which of them are rows.
-
-    ``rows`` = ``(grad, param, slots)``: one row of the leaf's gradient, param and state slots,
-    in place of the whole leaves; the other inputs are ``state``, ``params`` and ``cuts``.
-    """
-    group, n = self.groups[i], self.num_params
-    grad_row, param_row, slot_rows = rows
-    g, st, pr = [None] * n, list(state), list(params)
-    g[i], pr[i] = grad_row, param_row
-    for k, s in zip(group.state_outs, slot_rows):
-      st[k] = s
-    flat = [*self.consts, *g, *st, *pr, *cuts]
-    is_row = ([False] * len(self.consts) + [j == i for j in range(n)]
-              + [k in group.state_outs for k in range(self.num_state)]
-              + [j == i for j in range(n)] + [False] * len(cuts))
-    used = list(zip(flat, is_row, group.reads, strict=True))
-    return [x for x, _, r in used if r], [row for _, row, r in used if r]
-
-  def run_group_row(self, i: int, state, params, cuts, rows, index, length: int, axis: int = 0
-                    ) -> tuple[Any, list[Any]]:
-    """Row ``index`` (along ``axis``) of ``run_group``'s ``(update, new_slots)`` from rows of
-    leaf ``i``.
-
-    Raises:
-      NotRowwise: the update combines rows of the stacked leaf.
-    """
-    args, is_row = self.row_inputs(i, state, params, cuts, rows)
-    out = _rows.evaluate_rows(self.groups[i].jaxpr, (), args, is_row, index, length, axis=axis)
-    return out[0], list(out[1:])
-
-  def row_refusal(self, i: int, state, params, stats: bool = False, axis: int = 0
-                  ) -> str | None:
-    """Why leaf ``i`` is not updated row by row along ``axis``, or ``None`` when it can be.
-
-    It can when the leaf is stacked along ``axis`` with its state slots and its update
-    computes row ``l`` from row ``l`` of its gradient, param and slots only (with ``stats``:
-    and its statistics are reductions whose rows combine, see ``run_stats_row``). Below ``2 +
-    slots`` rows the rows in flight cost more than the whole update, as for the backward loops
-    (``_loops.min_loop_length``).
-    """
-    group, p = self.groups[i], params[i]
-    shape = jnp.shape(p)
-    length = shape[axis] if len(shape) > axis else 0
-    if length < 2 + len(group.state_outs):
-      return (f"its loop has {length} iterations, fewer than the {2 + len(group.state_outs)} "
-              "from which updating row by row pays")
-    if any(jnp.ndim(state[k]) != len(shape) or jnp.shape(state[k])[axis] != length
-           for k in group.state_outs):
-      return "its optimizer state is not stacked like the param"
-    row = lambda x: jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1:], jnp.result_type(x))
-    rows = (row(p), row(p), [row(state[k]) for k in group.state_outs])
-    try:
-      jax.eval_shape(lambda rows, cuts: self.run_group_row(i, state, params, cuts, rows, 0,
-                                                           length, axis), rows, list(self.cuts))
-      if stats and self.stats is not None:
-        jax.eval_shape(lambda g: [v for v, _ in self.run_stats_row(i, g, state, params, 0,
-                                                                   length, axis)], row(p))
-    except _rows.NotRowwise as e:
-      return f"its update mixes rows ({e})"
-    return None
-
-  def rowwise(self, i: int, state, params, stats: bool = False, axis: int = 0) -> bool:
-    """Whether leaf ``i`` can be updated row by row along ``axis`` (``row_refusal``)."""
-    return self.row_refusal(i, state, params, stats, axis) is None
-
-  def run_stats_row(self, i: int, grad_row, state, params, index, length: int, axis: int = 0
-                    ) -> list[tuple[Any, str]]:
-    """Leaf ``i``'s statistics as ``(partial, reduction)`` pairs from one row of its gradient:
-    combining the partials of every row with the reduction gives ``run_stats``.
-
-    Raises:
-      NotRowwise: a statistic is not a reduction over the whole stacked leaf.
-    """
-    n = self.num_params
-    grads = [None] * n
-    grads[i] = grad_row
-    flat = [*self.consts, *grads, *state, *params]
-    is_row = [False] * len(self.consts) + [j == i for j in range(n)] + [False] * (
-        self.num_state + n)
-    used = list(zip(flat, is_row, self.stats.stat_reads[i], strict=True))
-    args, rows = [x for x, _, r in used if r], [row for _, row, r in used if r]
-    return _rows.evaluate_row_reductions(self.stats.stat_jaxprs[i], args, rows, index, length,
-                                         axis=axis)
-
-  def run_stats(self, i: int, grad, state, params) -> list[Any]:
-    """Leaf ``i``'s statistics from its gradient (a plan built with ``two_pass=True``)."""
-    grads = [None] * self.num_params
-    grads[i] = grad
-    return self._eval(self.stats.stat_jaxprs[i], self.stats.stat_reads[i], grads, state, params)
-
-  def run_combine(self, stats: Sequence[Sequence[Any]], state, params):
-    """``(cuts, new_state[global_outs])`` from every leaf's statistics."""
-    flat_stats = [s for leaf_stats in stats for s in leaf_stats]
-    out = self._eval(self.stats.combine_jaxpr, self.stats.combine_reads,
-                     [None] * self.num_params, state, params, flat_stats)
-    return out[:len(self.cuts)], out[len(self.cuts):]
-
-  def new_state(self, state, params, slots: dict[int, Sequence[Any]], global_state) -> list[Any]:
-    """The flat new state: each leaf's new slots (``slots[i]``, leaves absent keep theirs),
-    the global stage's state and the shared state, computed from the old ``state``."""
-    new = list(state)
-    for i, leaf_slots in slots.items():
-      for k, s in zip(self.groups[i].state_outs, leaf_slots):
-        new[k] = s
-    for k, s in zip(self.global_outs, global_state):
-      new[k] = s
-    for k, s in zip(self.shared_outs, self.run_shared(state, params)):
-      new[k] = s
-    return new
-
-  def update(self, grads, state, params) -> tuple[list[Any], list[Any]]:
-    """The whole update, stage by stage: flat ``(updates, new_state)`` as ``tx.update`` gives."""
-    cuts, global_state = self.run_global(grads, state, params)
-    updates, slots = [], {}
-    for i in range(self.num_params):
-      update, slots[i] = self.run_group(i, grads[i], state, params, cuts)
-      updates.append(update)
-    return updates, self.new_state(state, params, slots, global_state)
-
-
 def _is_var(atom) -> bool:
   return not isinstance(atom, jcore.Literal)
-
-
-def _read(env: dict, atom):
-  return env[atom] if _is_var(atom) else atom
-
-
-def _callee(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
-  """The body and its constants of a call-like equation whose body takes the same operands."""
-  body = _jaxpr.call_body(eqn)
-  return None if body is None else (body.jaxpr, list(body.consts))
 
 
 def _make_jaxpr(constvars, invars, outvars, eqns) -> jcore.Jaxpr:
@@ -268,23 +50,28 @@ def _make_jaxpr(constvars, invars, outvars, eqns) -> jcore.Jaxpr:
   return jcore.Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects)
 
 
-class _Flattener:
+class _Flattener(_jaxpr.Interpreter):
   """Flattens the traced update and labels every variable with the gradients it reads.
 
-  Call-like equations (``jit``, ``custom_jvp_call``...) are inlined: the update is never
-  differentiated, so a custom derivative's primal body is all it needs, and inlined equations get
-  fresh variables (one body may be called several times). A ``cond`` is split into one ``cond``
-  per set of gradients its outputs read, so that each leaf's share of it stays with the leaf
-  (``apply_if_finite`` puts the whole inner update under one ``cond`` on the all-finite flag);
-  where a piece still mixes leaves (a global-norm clip inside ``apply_if_finite``), its branches
-  are inlined and the outputs chosen with ``select_n``, so the analysis sees through it.
+  Its values are the atoms of the flat jaxpr it emits. Call-like equations (``jit``,
+  ``custom_jvp_call``...) are inlined: the update is never differentiated, so a custom
+  derivative's primal body is all it needs, and inlined equations get fresh variables (one body
+  may be called several times). A ``cond`` is split into one ``cond`` per set of gradients its
+  outputs read, so that each leaf's share of it stays with the leaf (``apply_if_finite`` puts
+  the whole inner update under one ``cond`` on the all-finite flag); where a piece still mixes
+  leaves (a global-norm clip inside ``apply_if_finite``), its branches are inlined and the
+  outputs chosen with ``select_n``, so the analysis sees through it.
   """
 
   def __init__(self):
+    super().__init__()
     self.consts: list = []
     self.constvars: list = []
     self.eqns: list = []
     self.deps: dict = {}
+
+  def literal(self, atom):
+    return atom
 
   def dep(self, v) -> Deps:
     return self.deps.get(v, Deps()) if _is_var(v) else Deps()
@@ -298,20 +85,23 @@ class _Flattener:
     constvars = [jcore.Var(v.aval) for v in jaxpr.constvars]
     self.constvars.extend(constvars)
     self.consts.extend(consts)
-    env = {**dict(zip(jaxpr.constvars, constvars)), **dict(zip(jaxpr.invars, args))}
-    for eqn in jaxpr.eqns:
-      invars = [_read(env, v) for v in eqn.invars]
-      callee = _callee(eqn)
-      if callee is not None:
-        outs = self.inline(*callee, invars)
-      elif eqn.primitive is primitives.cond_p and not eqn.effects:
-        outs = self.cond(eqn.replace(invars=invars))
-      else:
-        outs = [v if isinstance(v, jcore.DropVar) else jcore.Var(v.aval) for v in eqn.outvars]
-        self.emit(eqn.replace(invars=invars, outvars=outs),
-                  Deps().union(*(self.dep(v) for v in invars)))
-      env.update(zip(eqn.outvars, outs))
-    return [_read(env, v) for v in jaxpr.outvars]
+    return self.run(jaxpr, constvars, args)
+
+  def default(self, eqn, ins) -> list:
+    outs = [v if isinstance(v, jcore.DropVar) else jcore.Var(v.aval) for v in eqn.outvars]
+    self.emit(eqn.replace(invars=ins, outvars=outs), Deps().union(*(self.dep(v) for v in ins)))
+    return outs
+
+  def call(self, eqn, ins) -> list:
+    body = _jaxpr.call_body(eqn)
+    if body is None:
+      return self.default(eqn, ins)
+    return self.inline(body.jaxpr, list(body.consts), ins)
+
+  def split_cond(self, eqn, ins) -> list:
+    if eqn.effects:
+      return self.default(eqn, ins)
+    return self.cond(eqn.replace(invars=ins))
 
   def cond(self, eqn: jcore.JaxprEqn) -> list:
     index, ops = eqn.invars[0], eqn.invars[1:]
@@ -338,6 +128,8 @@ class _Flattener:
       (piece,) = pruned.eqns
       self.emit(piece.replace(outvars=piece_outs), self.dep(index) | deps)
     return outs
+
+  rules = {**dict.fromkeys(_jaxpr.CALL_PRIMITIVES, call), primitives.cond_p: split_cond}
 
 
 def _flatten(closed: jcore.ClosedJaxpr, in_deps: Sequence[Deps]) -> tuple[jcore.Jaxpr, list, dict]:
@@ -504,19 +296,19 @@ def _stats_plan(graph: _Graph, c: int, n: int, global_outvars: Sequence,
 
 
 def make_global_plan(tx: optax.GradientTransformation, params, state,
-                     two_pass: bool = False) -> GlobalPlan:
+                     two_pass: bool = False) -> Plan:
   """Traces ``tx.update`` for these params/state and splits it into global stage and groups.
 
   Args:
     tx: any optax transformation.
     params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
     state: ``tx.init(params)`` or a state of the same structure.
-    two_pass: also split the global stage into per-leaf statistics (``GlobalPlan.stats``) and
+    two_pass: also split the global stage into per-leaf statistics (``Plan.stats``) and
       check that every group's state can travel as a cotangent (float), as the two-pass backward
-      step needs.
+      step needs (``Plan.stats``).
 
   Returns:
-    The ``GlobalPlan``; for a separable transform it has no cuts and no global state.
+    The ``Plan``; for a separable transform it has no cuts and no global state.
 
   Raises:
     NonSeparableError: with ``two_pass``, the global stage does not split into float or bool
@@ -531,7 +323,7 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
     >>> len(plan.cuts) > 0, plan.is_separable
     (True, False)
   """
-  closed, params_def, state_def, n, m, needs_loss = _plan._trace_update(tx, params, state)
+  closed, params_def, state_def, n, m, needs_loss = _split.trace_update(tx, params, state)
   if needs_loss is not None:
     raise NonSeparableError(
         f"optfuse cannot split {needs_loss}: its update needs the loss (the extra arguments value, "
@@ -557,8 +349,8 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
   cuts: list = []
   for _, group_cuts, _ in walks:
     cuts.extend(c for c in group_cuts if c not in cuts)
-  state_names = _plan._paths(state)
-  param_names = _plan._paths(jax.tree.unflatten(params_def, list(range(n))))
+  state_names = _split.paths(state)
+  param_names = _split.paths(jax.tree.unflatten(params_def, list(range(n))))
   state_leaves, params_leaves = jax.tree.leaves(state), jax.tree.leaves(params)
   groups = []
   for i, (included, _, _) in enumerate(walks):
@@ -573,7 +365,7 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
               "two-pass backward carries per-leaf state in the backward pass, which needs float "
               'state. Use mode="forward".')
     jaxpr, reads = graph.stage(included, [outs[i], *(outs[n + k] for k in group_outs)], cuts)
-    groups.append(_plan.LeafGroup(i, group_outs, jaxpr, tuple(reads), any(reads[c:c + n])))
+    groups.append(LeafGroup(i, group_outs, jaxpr, tuple(reads), any(reads[c:c + n])))
   global_outvars = [*cuts, *(outs[n + k] for k in global_outs)]
   global_jaxpr, global_reads = _jaxpr.prune(
       _make_jaxpr([], flat.invars, global_outvars, flat.eqns),
@@ -583,6 +375,7 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
   stats = None
   if two_pass and global_outvars:
     stats = _stats_plan(graph, c, n, global_outvars, param_names)
-  return GlobalPlan(params_def, state_def, n, m, tuple(consts), tuple(_aval(c) for c in cuts),
-                    tuple(global_outs), global_jaxpr, tuple(global_reads), tuple(groups),
-                    tuple(shared_outs), shared_jaxpr, tuple(shared_reads), stats)
+  return Plan(params_def, state_def, n, m, tuple(consts), tuple(groups), tuple(shared_outs),
+              shared_jaxpr, tuple(shared_reads), cuts=tuple(_aval(c) for c in cuts),
+              global_outs=tuple(global_outs), global_jaxpr=global_jaxpr,
+              global_reads=tuple(global_reads), stats=stats)

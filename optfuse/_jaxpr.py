@@ -1,13 +1,19 @@
-"""Small jaxpr utilities: gradient-dependency analysis, slicing and evaluation.
+"""The jaxpr interpreter and small jaxpr utilities: dependency analysis, slicing, evaluation.
 
 optfuse never guesses what an optax transform does from its name. It traces ``tx.update`` to a
 jaxpr and follows data dependencies: which gradient leaves each output depends on. The same
 jaxpr, sliced down to the outputs of one parameter leaf, is what runs in that leaf's backward rule.
+
+Every walk over a jaxpr (the dependency analysis here, the row evaluator ``_rows``, site finding
+``_sites``, the loss rewrite ``_loops``, the update flattener ``_global``) is an ``Interpreter``:
+one evaluation skeleton with rules in a table keyed by primitive objects. ``CALL_PRIMITIVES`` is
+the one table of call-like primitives; a wrapper JAX adds later is one entry there. This is the
+only module that touches ``jax._src``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: DCE through cond/calls
@@ -39,33 +45,106 @@ def call_body(eqn: jcore.JaxprEqn) -> jcore.ClosedJaxpr | None:
   return body if len(body.jaxpr.invars) == len(eqn.invars) else None
 
 
-def _read_deps(env: dict, atom: Any) -> Deps:
-  if isinstance(atom, jcore.Literal):
-    return Deps()
-  return env.get(atom, Deps())
+def bind(eqn: jcore.JaxprEqn, ins: Sequence[Any]) -> list[Any]:
+  """``eqn``'s primitive applied to ``ins`` under the equation's context (named scopes, compute
+  placement, XLA metadata), as ``jax.core.eval_jaxpr`` applies it; its outputs as a list."""
+  with eqn.ctx.manager:
+    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+  return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _equation_dependencies(eqn: jcore.JaxprEqn, ins: list[Deps]) -> list[Deps]:
-  """Labels of ``eqn``'s outputs from the labels of its inputs."""
+# A rule: ``rule(interpreter, eqn, ins) -> outs``, one value per outvar.
+Rule = Callable[["Interpreter", jcore.JaxprEqn, list], list]
+
+
+class Interpreter:
+  """The one skeleton of every walk over a jaxpr in optfuse.
+
+  It runs a jaxpr equation by equation on values of the walk's own kind (arrays, rows of a
+  stacked leaf, gradient-dependency labels, views of a param leaf, equations being emitted):
+  each equation's outputs come from the rule of its primitive (``rules``, a table keyed by
+  primitive objects) or from ``default``. A subclass sets ``rules`` and ``default`` and may
+  change how literals and unknown variables read (``literal``, ``missing``) and how values are
+  recorded (``write``). Rules enter nested jaxprs (a call's body, a cond's branches) with
+  ``run``, which keeps one environment per jaxpr.
+  """
+
+  rules: Mapping[jcore.Primitive, Rule] = {}
+
+  def __init__(self):
+    self.env: dict = {}
+    self.jaxpr: jcore.Jaxpr | None = None
+
+  def literal(self, atom: jcore.Literal) -> Any:
+    return atom.val
+
+  def missing(self, v: jcore.Var) -> Any:
+    raise KeyError(v)
+
+  def read(self, atom) -> Any:
+    if isinstance(atom, jcore.Literal):
+      return self.literal(atom)
+    return self.env[atom] if atom in self.env else self.missing(atom)
+
+  def write(self, v: jcore.Var, value: Any) -> None:
+    self.env[v] = value
+
+  def default(self, eqn: jcore.JaxprEqn, ins: list) -> list:
+    return bind(eqn, ins)
+
+  def after(self, eqn: jcore.JaxprEqn, outs: list) -> None:
+    """Called with each equation's outputs (nothing by default)."""
+
+  def run(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """The values of ``jaxpr``'s outvars, given its constants and one value per invar."""
+    outer = self.env, self.jaxpr
+    self.env, self.jaxpr = {}, jaxpr
+    try:
+      for v, x in [*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)]:
+        self.write(v, x)
+      for eqn in jaxpr.eqns:
+        rule = self.rules.get(eqn.primitive)
+        ins = [self.read(v) for v in eqn.invars]
+        outs = rule(self, eqn, ins) if rule is not None else self.default(eqn, ins)
+        self.after(eqn, outs)
+        for v, x in zip(eqn.outvars, outs):
+          self.write(v, x)
+      return [self.read(v) for v in jaxpr.outvars]
+    finally:
+      self.env, self.jaxpr = outer
+
+
+def _call_deps(interp: Interpreter, eqn: jcore.JaxprEqn, ins: list) -> list:
   body = call_body(eqn)
-  if body is not None:
-    return output_dependencies(body.jaxpr, ins)
-  if eqn.primitive is P.cond_p:
-    index, ops = ins[0], ins[1:]
-    branch_outs = [output_dependencies(b.jaxpr, ops) for b in eqn.params["branches"]]
-    return [index.union(*col) for col in zip(*branch_outs)]
-  return [Deps().union(*ins)] * len(eqn.outvars)
+  if body is None:
+    return interp.default(eqn, ins)
+  return interp.run(body.jaxpr, [Deps()] * len(body.jaxpr.constvars), ins)
 
 
-def _propagate(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]):
-  """Yields each equation with its output labels, after recording them."""
-  env: dict = dict(zip(jaxpr.invars, in_deps))
-  for eqn in jaxpr.eqns:
-    outs = _equation_dependencies(eqn, [_read_deps(env, v) for v in eqn.invars])
-    for v, d in zip(eqn.outvars, outs):
-      env[v] = d
-    yield eqn, outs
-  yield None, [_read_deps(env, v) for v in jaxpr.outvars]
+def _cond_deps(interp: Interpreter, eqn: jcore.JaxprEqn, ins: list) -> list:
+  index, ops = ins[0], ins[1:]
+  branch_outs = [interp.run(b.jaxpr, [Deps()] * len(b.jaxpr.constvars), ops)
+                 for b in eqn.params["branches"]]
+  return [index.union(*col) for col in zip(*branch_outs)]
+
+
+class Dependencies(Interpreter):
+  """Labels every value with the labels of the inputs it depends on (gradient leaves...).
+
+  Dependencies through ``cond`` and call-like primitives are exact; through loops (``scan``,
+  ``while``) every output depends on every input, which is conservative.
+  """
+
+  rules = {**dict.fromkeys(CALL_PRIMITIVES, _call_deps), P.cond_p: _cond_deps}
+
+  def literal(self, atom) -> Deps:
+    return Deps()
+
+  def missing(self, v) -> Deps:
+    return Deps()
+
+  def default(self, eqn, ins) -> list[Deps]:
+    return [Deps().union(*ins)] * len(eqn.outvars)
 
 
 def output_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> list[Deps]:
@@ -76,20 +155,27 @@ def output_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> list[Dep
     in_deps: one set of labels per invar.
 
   Returns:
-    One set of labels per outvar: the union of the labels of every input it depends on.
-    Dependencies through ``cond`` and call-like primitives are exact; through loops
-    (``scan``, ``while``) every output depends on every input, which is conservative.
+    One set of labels per outvar: the union of the labels of every input it depends on
+    (``Dependencies``).
   """
-  *_, (_, outs) = _propagate(jaxpr, in_deps)
-  return outs
+  return Dependencies().run(jaxpr, [Deps()] * len(jaxpr.constvars), in_deps)
+
+
+class _FirstMixing(Dependencies):
+  def __init__(self, top: jcore.Jaxpr):
+    super().__init__()
+    self.top, self.found = top, None
+
+  def after(self, eqn, outs) -> None:
+    if self.found is None and self.jaxpr is self.top and any(len(d) > 1 for d in outs):
+      self.found = eqn
 
 
 def first_mixing_equation(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> jcore.JaxprEqn | None:
   """The first top-level equation whose output depends on two or more labels."""
-  for eqn, outs in _propagate(jaxpr, in_deps):
-    if eqn is not None and any(len(d) > 1 for d in outs):
-      return eqn
-  return None
+  walk = _FirstMixing(jaxpr)
+  walk.run(jaxpr, [Deps()] * len(jaxpr.constvars), in_deps)
+  return walk.found
 
 
 def prune(jaxpr: jcore.Jaxpr, used_outputs: Sequence[bool]) -> tuple[jcore.Jaxpr, list[bool]]:

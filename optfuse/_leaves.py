@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -13,3 +14,14 @@ def is_float(x) -> bool:
 def is_float_aval(v) -> bool:
   """Whether a jaxpr variable holds floating-point values."""
   return jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+def keep_int_state(new, old):
+  """``new``, except where an integer or bool state leaf of ``old`` changed dtype: ``old`` there.
+
+  Integer and bool params are carried unchanged; optax, run on them with a zero gradient,
+  promotes their slots (Adam's ``mu``...) to float. Keeping those slots as they were keeps the
+  state's signature stable from step to step (``lax.scan`` over steps, jit caches, donation).
+  """
+  keep = lambda n, o: o if not is_float(o) and jnp.result_type(n) != jnp.result_type(o) else n
+  return jax.tree.map(keep, new, old)

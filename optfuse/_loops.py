@@ -35,11 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
+from jax.extend.core import primitives as P
 
 from optfuse import _fused_scan, _jaxpr, _rows
 from optfuse._fused_scan import PreUpdate as PreUpdate
-from optfuse._plan import UpdatePlan
-from optfuse._sites import REWRAPPED_CALLS, Finder, Refusal, View, entered_calls
+from optfuse._plan import Plan
+from optfuse._sites import REWRAPPED_CALLS, Finder, View, entered_calls
 
 
 class _Deferred(NamedTuple):
@@ -85,7 +86,7 @@ class LoopPlan(NamedTuple):
     """Evaluates the loss on ``leaves`` (the fused leaves untapped) with fused scans."""
     arg_leaves = jax.tree.leaves((args, kwargs))
     dyn = [a for a, d in zip(arg_leaves, self.dynamic) if d]
-    outs = _interpret(self, self.jaxpr, self.consts, [*leaves, *dyn], updater, slots)
+    outs = _LossInterpreter(self, updater, slots).run(self.jaxpr, self.consts, [*leaves, *dyn])
     return jax.tree.unflatten(self.out_def, outs)
 
 
@@ -108,77 +109,12 @@ def _trace_loss(loss_fn, params_def, param_leaves, args, kwargs):
   return closed, jax.tree.structure(out_shape), dynamic
 
 
-def min_loop_length(plan: UpdatePlan, leaf: int) -> int:
-  """The shortest loop in which updating ``leaf`` row by row saves memory.
-
-  Fusion removes the stacked gradient (``length`` rows) but keeps rows in flight in each
-  iteration: the row's gradient, and the param and state rows read out of their buffers. Below
-  ``2 + slots`` iterations that costs more than it saves, and the leaf is updated after the loop
-  as optax does (measured: a 3-layer scan with AdamW used one row more temp memory fused).
-  """
-  return 2 + len(plan.groups[leaf].state_outs)
-
-
-def _row_spec(x, axis: int) -> jax.ShapeDtypeStruct:
-  shape = jnp.shape(x)
-  return jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1:], jnp.result_type(x))
-
-
-def row_refusal(plan: UpdatePlan, leaf: int, state_leaves, params_leaves, length: int,
-                axis: int = 0) -> str | None:
-  """Why row ``l`` of leaf ``leaf``'s update does not depend on row ``l`` of its inputs only,
-  or ``None`` when it does."""
-  group = plan.groups[leaf]
-  rank = jnp.ndim(params_leaves[leaf])
-  if any(jnp.ndim(state_leaves[k]) != rank or jnp.shape(state_leaves[k])[axis] != length
-         for k in group.state_outs):
-    return "its optimizer state is not stacked like the param"
-  spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-  n, m, c = plan.num_params, plan.num_state, len(plan.consts)
-  reads_s, reads_p = group.reads[c + n:c + n + m], group.reads[c + n + m:]
-  readonly = ([spec(s) if r and k not in group.state_outs else None
-               for k, (s, r) in enumerate(zip(state_leaves, reads_s))],
-              [spec(p) if r and j != leaf else None
-               for j, (p, r) in enumerate(zip(params_leaves, reads_p))])
-  param_row = _row_spec(params_leaves[leaf], axis)
-  slot_rows = [_row_spec(state_leaves[k], axis) for k in group.state_outs]
-  try:
-    jax.eval_shape(lambda g, p, s, ro: row_update(plan, leaf, g, p, s, ro, 0, length, axis),
-                   param_row, param_row, slot_rows, readonly)
-  except _rows.NotRowwise as e:
-    return str(e)
-  return None
-
-
-def row_update(plan: UpdatePlan, leaf: int, grad_row, param_row, slot_rows, readonly, index,
-               length: int, axis: int = 0):
-  """Row ``index`` of leaf ``leaf``'s ``(update, new_slots)`` from rows of its inputs.
-
-  Raises:
-    NotRowwise: the update combines rows of the stacked leaf.
-  """
-  group, n = plan.groups[leaf], plan.num_params
-  state, params = list(readonly[0]), list(readonly[1])
-  is_row_state = [False] * plan.num_state
-  for k, s in zip(group.state_outs, slot_rows):
-    state[k] = s
-    is_row_state[k] = True
-  params[leaf] = param_row
-  grads = [grad_row if j == leaf else None for j in range(n)]
-  is_row = ([False] * len(plan.consts) + [j == leaf for j in range(n)] + is_row_state
-            + [j == leaf for j in range(n)])
-  args = plan.inputs(grads, state, params, group.reads)
-  is_row = [r for r, used in zip(is_row, group.reads) if used]
-  out = _rows.evaluate_rows(group.jaxpr, (), args, is_row, index, length, axis=axis)
-  return out[0], out[1:]
-
-
 REMAT_TWO_PASS = ("its scan sits inside jax.checkpoint, whose backward JAX traces once per "
                   "step, and two-pass backward needs two different backward passes")
 
 
-def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff,
-            refuse: Refusal | None = None, remat_problem: str | None = None) -> LoopPlan:
+def analyze(loss_fn, plan: Plan, params, state_leaves, args, kwargs, diff,
+            two_pass: bool = False) -> LoopPlan:
   """Traces ``loss_fn`` once and finds the scans whose stacked params update inside the loop.
 
   Args:
@@ -189,12 +125,9 @@ def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff,
     args: positional arguments of the loss after params.
     kwargs: keyword arguments of the loss.
     diff: indices of the float (differentiable) param leaves.
-    refuse: ``refuse(leaf, length, axis) -> str | None``, why a leaf scanned by a loop of
-      ``length`` iterations along its stored ``axis`` is not updated inside it; by default,
-      when the loop is too short for the rows in flight to pay or ``plan``'s update of the
-      leaf mixes rows.
-    remat_problem: if given, scans inside ``jax.checkpoint`` are not fused, for this reason
-      (two-pass backward: ``REMAT_TWO_PASS``).
+    two_pass: the loops also reduce each row's gradient to the leaf's statistics (a leaf is
+      fused only if they are reductions over its rows, ``Plan.row_refusal``), and scans inside
+      ``jax.checkpoint`` are not fused (``REMAT_TWO_PASS``).
 
   Returns:
     A ``LoopPlan``, which evaluates the loss from its jaxpr (the loss is called once, here).
@@ -203,15 +136,12 @@ def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff,
   closed, out_def, dynamic = _trace_loss(loss_fn, plan.params_def, param_leaves, args, kwargs)
   jaxpr = closed.jaxpr
 
-  def default_refuse(leaf, length, axis):
-    if length < min_loop_length(plan, leaf):
-      return (f"its loop has {length} iterations, fewer than the {min_loop_length(plan, leaf)} "
-              "from which updating row by row pays (the rows in flight cost more than the stack)")
-    why = row_refusal(plan, leaf, state_leaves, param_leaves, length, axis)
-    return None if why is None else f"its update mixes rows ({why})"
+  def refuse(leaf, length, axis):
+    del length  # the leaf's, along ``axis``
+    return plan.row_refusal(leaf, state_leaves, param_leaves, axis, stats=two_pass)
 
   shapes = [jnp.shape(p) for p in param_leaves]
-  finder = Finder(shapes, refuse or default_refuse, remat_problem)
+  finder = Finder(shapes, refuse, REMAT_TWO_PASS if two_pass else None)
   views = {jaxpr.invars[i]: View(i, tuple((a, a) for a in range(len(shapes[i]))), ())
            for i in sorted(set(diff))}
   finder.walk(jaxpr, views)
@@ -223,45 +153,52 @@ def analyze(loss_fn, plan: UpdatePlan, params, state_leaves, args, kwargs, diff,
                   finder.stacked, reasons, frozenset(finder.in_remat))
 
 
-def _interpret(loop_plan: LoopPlan, jaxpr: jcore.Jaxpr, consts, args, updater, slots) -> list:
-  env: dict = {}
+class _LossInterpreter(_jaxpr.Interpreter):
+  """Evaluates the traced loss with its fused scans: a site's scan is bound as a fused scan,
+  the path equations of its leaves are deferred into the loop body, and the calls that hold
+  either are entered."""
 
-  def read(v):
-    return v.val if isinstance(v, jcore.Literal) else env[v]
+  def __init__(self, loop_plan: LoopPlan, updater, slots):
+    super().__init__()
+    self.loop_plan, self.updater, self.slots = loop_plan, updater, slots
 
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    key = id(eqn)
-    if key in loop_plan.sites:
-      ins = [x.value if isinstance(x, _Deferred) else x for x in ins]
-      outs = _fused_scan.fused_scan(eqn, loop_plan.sites[key], updater, slots, ins)
-    elif key in loop_plan.deferred:
-      outs = [_Deferred(ins[0].value if isinstance(ins[0], _Deferred) else ins[0])]
-    elif key in loop_plan.entered:
-      outs = _enter(loop_plan, eqn, ins, updater, slots)
-    else:
-      with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
+  def scan(self, eqn, ins) -> list:
+    site = self.loop_plan.sites.get(id(eqn))
+    if site is None:
+      return self.default(eqn, ins)
+    ins = [x.value if isinstance(x, _Deferred) else x for x in ins]
+    return _fused_scan.fused_scan(eqn, site, self.updater, self.slots, ins)
+
+  def path(self, eqn, ins) -> list:
+    if id(eqn) not in self.loop_plan.deferred:
+      return self.default(eqn, ins)
+    return [_Deferred(ins[0].value if isinstance(ins[0], _Deferred) else ins[0])]
+
+  def call(self, eqn, ins) -> list:
+    if id(eqn) not in self.loop_plan.entered:
+      return self.default(eqn, ins)
+    return _enter(self, eqn, ins)
+
+  rules = {
+      P.scan_p: scan,
+      **dict.fromkeys(_rows.PATH_PRIMITIVES, path),
+      **dict.fromkeys(_jaxpr.CALL_PRIMITIVES, call),
+  }
 
 
-def _enter(loop_plan: LoopPlan, eqn: jcore.JaxprEqn, ins: list, updater, slots) -> list:
+def _enter(interp: _LossInterpreter, eqn: jcore.JaxprEqn, ins: list) -> list:
   """Evaluates a call equation's body with its fused scans: inlined, or under the same
   ``jax.checkpoint`` for ``remat``."""
   body = _jaxpr.call_body(eqn)
   if eqn.primitive not in REWRAPPED_CALLS:
-    return _interpret(loop_plan, body.jaxpr, body.consts, ins, updater, slots)
+    return interp.run(body.jaxpr, body.consts, ins)
   # Forward fusion updates no row inside a checkpoint (``LoopPlan.in_remat``), so nothing but
   # the outputs leaves it.
   deferred = [isinstance(x, _Deferred) for x in ins]
 
   def rematted(*arrays):
     vals = [_Deferred(a) if d else a for a, d in zip(arrays, deferred)]
-    return _interpret(loop_plan, body.jaxpr, body.consts, vals, updater, slots)
+    return interp.run(body.jaxpr, body.consts, vals)
 
   arrays = [x.value if d else x for x, d in zip(ins, deferred)]
   return jax.checkpoint(rematted, prevent_cse=eqn.params["prevent_cse"],

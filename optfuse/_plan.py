@@ -1,20 +1,27 @@
-"""The update plan: ``tx.update`` traced once and split into one piece per parameter leaf.
+"""The update plan: ``tx.update`` for one params/state signature, split per parameter leaf.
 
-For flat gradients ``g``, state ``s`` and params ``p`` the traced update computes
-``updates, new_state``. Following data dependencies, every output falls in one of two classes:
+For flat gradients ``g``, state ``s`` and params ``p`` the traced update computes ``updates,
+new_state``. Following data dependencies (never names), its outputs split into:
 
-* it depends on the gradient of exactly one leaf ``i``: it belongs to leaf ``i``'s *group* and is
-  computed in that leaf's backward rule (Adam's ``mu`` and ``nu``, the update itself);
-* it depends on no gradient at all: it is *shared* and computed once per step (``count``,
-  injected hyperparameters, schedule state).
+* one *group* per leaf ``i``: the leaf's update and the state it owns (Adam's ``mu`` and
+  ``nu``), computed from its own gradient, in that leaf's backward rule or loop row;
+* the *shared* state, which depends on no gradient (``count``, injected hyperparameters),
+  computed once per step;
+* for a global transform only, the *global stage*: the values several groups read that depend
+  on several gradients (the clipping factor, the all-finite flag: the *cuts*) and the state no
+  single leaf owns, with, for two-pass backward, the same stage as per-leaf *statistics* and a
+  *combine* step (``StatsPlan``).
 
-An output that depends on the gradients of two or more leaves makes the transform non-separable
-(global-norm clipping, trust ratios across leaves, ...): backward fusion refuses it.
+A separable transform (``_split.make_plan``) has no global stage; ``_global.make_global_plan``
+finds it for the others. Either way the result is one ``Plan``, and every mode runs it with the
+same runners: a whole leaf (``run_group``), one row of a stacked leaf (``run_group_row``), the
+stage and the statistics, and one predicate says whether a leaf runs row by row
+(``row_refusal``).
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -22,20 +29,19 @@ import jax.numpy as jnp
 import optax
 from jax.extend import core as jcore
 
-from optfuse import _jaxpr
-from optfuse._errors import NonSeparableError
-from optfuse._leaves import is_float
+from optfuse import _jaxpr, _rows
+from optfuse._checks import is_tracing, signature
 
 
 class LeafGroup(NamedTuple):
-  """What the backward rule of one parameter leaf computes.
+  """What the update of one parameter leaf computes.
 
   Attributes:
     leaf: index of the parameter leaf in ``jax.tree.leaves(params)``.
     state_outs: flat indices of the state leaves this leaf writes.
-    jaxpr: the update jaxpr pruned to the outputs ``(update, *new_state[state_outs])``.
-    reads: which inputs of the full update jaxpr (constants, grads, state, params) the pruned
-      one reads; its invars are exactly those.
+    jaxpr: the update pruned to ``(update, *new_state[state_outs])``; it takes, of the flat
+      inputs ``(consts, grads, state, params, *cuts)``, those ``reads`` selects.
+    reads: which of those inputs the pruned jaxpr reads; its invars are exactly those.
     reads_grad: whether the outputs depend on the gradient at all.
   """
 
@@ -46,19 +52,54 @@ class LeafGroup(NamedTuple):
   reads_grad: bool
 
 
-class UpdatePlan(NamedTuple):
-  """``tx.update`` for one params/state signature, split per leaf.
+class StatsPlan(NamedTuple):
+  """The global stage as per-leaf statistics and a combine step (two-pass backward).
+
+  Attributes:
+    stats: for each param leaf, the shapes/dtypes of the statistics it contributes.
+    stat_jaxprs: for each param leaf, a jaxpr from ``(consts, grads, state, params)`` to its
+      statistics (it reads only that leaf's gradient).
+    stat_reads: which inputs each ``stat_jaxprs`` entry reads.
+    combine_jaxpr: from ``(consts, grads, state, params, *statistics of every leaf in leaf
+      order)`` to ``(*cuts, *global state leaves)``; it reads no gradient.
+    combine_reads: which inputs ``combine_jaxpr`` reads.
+  """
+
+  stats: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]
+  stat_jaxprs: tuple[jcore.Jaxpr, ...]
+  stat_reads: tuple[tuple[bool, ...], ...]
+  combine_jaxpr: jcore.Jaxpr
+  combine_reads: tuple[bool, ...]
+
+
+def _row_spec(x, axis: int) -> jax.ShapeDtypeStruct:
+  shape = jnp.shape(x)
+  return jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1:], jnp.result_type(x))
+
+
+class Plan(NamedTuple):
+  """``tx.update`` for one params/state signature, split per leaf (see the module docstring).
+
+  Every jaxpr here takes, of the flat inputs ``(consts, grads, state, params, ...)``, only
+  those its ``reads`` mask selects; the runners take flat lists, whose unread entries may be
+  ``None``.
 
   Attributes:
     params_def: treedef of the params.
     state_def: treedef of the optimizer state.
-    num_params: number of param leaves.
-    num_state: number of state leaves.
-    consts: constants of the traced update jaxpr.
+    num_params: number of param leaves ``n``.
+    num_state: number of state leaves ``m``.
+    consts: constants of the traced update, the leading inputs of the jaxprs.
     groups: one ``LeafGroup`` per param leaf.
     shared_outs: flat indices of the state leaves that depend on no gradient.
-    shared_jaxpr: the update jaxpr pruned to those state leaves.
+    shared_jaxpr: from ``(consts, grads, state, params)`` to those state leaves.
     shared_reads: which inputs ``shared_jaxpr`` reads.
+    cuts: shapes/dtypes of the values the global stage hands to the groups.
+    global_outs: flat indices of the state leaves the global stage writes.
+    global_jaxpr: from ``(consts, grads, state, params)`` to ``(*cuts,
+      *new_state[global_outs])``, or ``None`` for a separable transform.
+    global_reads: which inputs ``global_jaxpr`` reads.
+    stats: the global stage as per-leaf statistics, or ``None`` unless asked for.
   """
 
   params_def: Any
@@ -70,167 +111,214 @@ class UpdatePlan(NamedTuple):
   shared_outs: tuple[int, ...]
   shared_jaxpr: jcore.Jaxpr
   shared_reads: tuple[bool, ...]
+  cuts: tuple[jax.ShapeDtypeStruct, ...] = ()
+  global_outs: tuple[int, ...] = ()
+  global_jaxpr: jcore.Jaxpr | None = None
+  global_reads: tuple[bool, ...] = ()
+  stats: StatsPlan | None = None
 
-  def inputs(self, grads, state, params, reads) -> list[Any]:
-    """The inputs a pruned update jaxpr reads, out of the flat (grads, state, params)."""
-    flat = [*self.consts, *grads, *state, *params]
-    return [x for x, r in zip(flat, reads) if r]
+  @property
+  def is_separable(self) -> bool:
+    """Whether the update of every leaf reads only its own gradient."""
+    return not self.cuts and not self.global_outs
 
-  def run_group(self, i: int, grad, state, params) -> tuple[Any, list[Any]]:
-    """Runs leaf ``i``'s update; ``state``/``params`` are flat lists (unread entries may be None).
+  def _eval(self, jaxpr, reads, grads, state, params, extra=()) -> list[Any]:
+    flat = [*self.consts, *grads, *state, *params, *extra]
+    return _jaxpr.evaluate(jaxpr, (), [x for x, r in zip(flat, reads) if r])
 
-    Returns:
-      ``(update, new_state_leaves)`` with the new leaves in ``groups[i].state_outs`` order.
-    """
-    group = self.groups[i]
+  def _with_leaf(self, i: int, grad, param, slots, state, params) -> tuple[list, list, list]:
+    """Flat grads, state and params with leaf ``i``'s gradient, param and slots put in."""
+    grads, state, params = [None] * self.num_params, list(state), list(params)
+    grads[i], params[i] = grad, param
+    for k, s in zip(self.groups[i].state_outs, slots):
+      state[k] = s
+    return grads, state, params
+
+  def run_group(self, i: int, grad, state, params, cuts=()) -> tuple[Any, list[Any]]:
+    """``(update, new_state[groups[i].state_outs])`` of leaf ``i`` from its whole gradient."""
     grads = [None] * self.num_params
     grads[i] = grad
-    out = _jaxpr.evaluate(group.jaxpr, (),
-                          self.inputs(grads, state, params, group.reads))
+    group = self.groups[i]
+    out = self._eval(group.jaxpr, group.reads, grads, state, params, cuts)
     return out[0], list(out[1:])
+
+  def apply_leaf(self, i: int, grad, param, slots, state, params, cuts=(),
+                 update_params: bool = True) -> tuple[Any, tuple]:
+    """Leaf ``i``'s new param and slots: ``run_group`` with its own param and slots put in
+    ``state``/``params``, and ``optax.apply_updates``."""
+    _, state, params = self._with_leaf(i, None, param, slots, state, params)
+    update, new_slots = self.run_group(i, grad, state, params, cuts)
+    new_param = optax.apply_updates(param, update) if update_params else param
+    return new_param, tuple(new_slots)
+
+  def readonly(self, i: int, state, params, cuts=()) -> tuple[list, list, list]:
+    """What leaf ``i``'s update reads besides its gradient, param and slots: flat state, params
+    and cuts with ``None`` at every entry it does not read (and at its own)."""
+    group, n, m, c = self.groups[i], self.num_params, self.num_state, len(self.consts)
+    reads_s, reads_p = group.reads[c + n:c + n + m], group.reads[c + n + m:c + 2 * n + m]
+    reads_c = group.reads[c + 2 * n + m:]
+    return ([s if r and k not in group.state_outs else None
+             for k, (s, r) in enumerate(zip(state, reads_s))],
+            [p if r and j != i else None for j, (p, r) in enumerate(zip(params, reads_p))],
+            [x if r else None for x, r in zip(cuts, reads_c)])
 
   def run_shared(self, state, params) -> list[Any]:
     """The state leaves that depend on no gradient (``count``, hyperparameters...)."""
+    return self._eval(self.shared_jaxpr, self.shared_reads, [None] * self.num_params, state,
+                      params)
+
+  def run_global(self, grads, state, params) -> tuple[list[Any], list[Any]]:
+    """``(cuts, new_state[global_outs])`` from the flat gradients, state and params."""
+    if self.global_jaxpr is None:
+      return [], []
+    out = self._eval(self.global_jaxpr, self.global_reads, grads, state, params)
+    return out[:len(self.cuts)], out[len(self.cuts):]
+
+  def row_inputs(self, i: int, state, params, cuts, rows) -> tuple[list, list[bool]]:
+    """The inputs leaf ``i``'s group jaxpr reads, and which of them are rows.
+
+    ``rows`` = ``(grad, param, slots)``: one row of the leaf's gradient, param and state slots,
+    in place of the whole leaves; the other inputs are ``state``, ``params`` and ``cuts``.
+    """
+    group, n = self.groups[i], self.num_params
+    g, st, pr = self._with_leaf(i, *rows, state, params)
+    flat = [*self.consts, *g, *st, *pr, *cuts]
+    is_row = ([False] * len(self.consts) + [j == i for j in range(n)]
+              + [k in group.state_outs for k in range(self.num_state)]
+              + [j == i for j in range(n)] + [False] * len(cuts))
+    used = list(zip(flat, is_row, group.reads, strict=True))
+    return [x for x, _, r in used if r], [row for _, row, r in used if r]
+
+  def run_group_row(self, i: int, state, params, cuts, rows, index, length: int, axis: int = 0
+                    ) -> tuple[Any, list[Any]]:
+    """Row ``index`` (along ``axis``) of ``run_group``'s ``(update, new_slots)`` from rows
+    ``(grad, param, slots)`` of leaf ``i``.
+
+    Raises:
+      NotRowwise: the update combines rows of the stacked leaf.
+    """
+    args, is_row = self.row_inputs(i, state, params, cuts, rows)
+    out = _rows.evaluate_rows(self.groups[i].jaxpr, (), args, is_row, index, length, axis=axis)
+    return out[0], list(out[1:])
+
+  def min_rows(self, i: int) -> int:
+    """The shortest stack that leaf ``i`` pays to update row by row.
+
+    A row loop removes the stacked gradient (``length`` rows) but keeps rows in flight: the
+    row's gradient and the param and state rows read out of their buffers. Below ``2 + slots``
+    rows that costs more than it saves (measured: a 3-layer scan with AdamW used one row more
+    temp memory fused), and the leaf is updated whole.
+    """
+    return 2 + len(self.groups[i].state_outs)
+
+  def row_refusal(self, i: int, state, params, axis: int = 0, stats: bool = False
+                  ) -> str | None:
+    """Why leaf ``i`` is not updated row by row along ``axis``, or ``None`` when it is.
+
+    It is when the leaf has at least ``min_rows`` rows, its state slots are stacked like it,
+    and its update computes row ``l`` from row ``l`` of its gradient, param and slots only
+    (with ``stats``: and its statistics are reductions whose rows combine, ``run_stats_row``).
+    This is the one test of every mode: backward loops, two-pass loops, forward loops and row
+    updates before the loss.
+    """
+    group, p = self.groups[i], params[i]
+    shape = jnp.shape(p)
+    length = shape[axis] if len(shape) > axis else 0
+    if length < self.min_rows(i):
+      return (f"its loop has {length} iterations, fewer than the {self.min_rows(i)} from which "
+              "updating row by row pays (the rows in flight cost more than the stack)")
+    if any(jnp.ndim(state[k]) != len(shape) or jnp.shape(state[k])[axis] != length
+           for k in group.state_outs):
+      return "its optimizer state is not stacked like the param"
+    row = _row_spec(p, axis)
+    rows = (row, row, [_row_spec(state[k], axis) for k in group.state_outs])
+    spec = lambda x: None if x is None else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    state, params = [spec(s) for s in state], [spec(q) for q in params]
+    try:
+      jax.eval_shape(lambda rows, cuts: self.run_group_row(i, state, params, cuts, rows, 0,
+                                                           length, axis), rows, list(self.cuts))
+      if stats and self.stats is not None:
+        jax.eval_shape(lambda g: [v for v, _ in self.run_stats_row(i, g, state, params, 0,
+                                                                   length, axis)], row)
+    except _rows.NotRowwise as e:
+      return f"its update mixes rows ({e})"
+    return None
+
+  def rowwise(self, i: int, state, params, axis: int = 0, stats: bool = False) -> bool:
+    """Whether leaf ``i`` is updated row by row along ``axis`` (``row_refusal``)."""
+    return self.row_refusal(i, state, params, axis, stats) is None
+
+  def run_stats(self, i: int, grad, state, params) -> list[Any]:
+    """Leaf ``i``'s statistics from its gradient (a plan built with ``two_pass=True``)."""
     grads = [None] * self.num_params
-    return _jaxpr.evaluate(self.shared_jaxpr, (),
-                           self.inputs(grads, state, params, self.shared_reads))
+    grads[i] = grad
+    return self._eval(self.stats.stat_jaxprs[i], self.stats.stat_reads[i], grads, state, params)
+
+  def run_stats_row(self, i: int, grad_row, state, params, index, length: int, axis: int = 0
+                    ) -> list[tuple[Any, str]]:
+    """Leaf ``i``'s statistics as ``(partial, reduction)`` pairs from one row of its gradient:
+    combining the partials of every row with the reduction gives ``run_stats``.
+
+    Raises:
+      NotRowwise: a statistic is not a reduction over the whole stacked leaf.
+    """
+    n = self.num_params
+    grads = [None] * n
+    grads[i] = grad_row
+    flat = [*self.consts, *grads, *state, *params]
+    is_row = [False] * len(self.consts) + [j == i for j in range(n)] + [False] * (
+        self.num_state + n)
+    used = list(zip(flat, is_row, self.stats.stat_reads[i], strict=True))
+    args, rows = [x for x, _, r in used if r], [row for _, row, r in used if r]
+    return _rows.evaluate_row_reductions(self.stats.stat_jaxprs[i], args, rows, index, length,
+                                         axis=axis)
+
+  def run_combine(self, stats: Sequence[Sequence[Any]], state, params):
+    """``(cuts, new_state[global_outs])`` from every leaf's statistics."""
+    flat_stats = [s for leaf_stats in stats for s in leaf_stats]
+    out = self._eval(self.stats.combine_jaxpr, self.stats.combine_reads,
+                     [None] * self.num_params, state, params, flat_stats)
+    return out[:len(self.cuts)], out[len(self.cuts):]
+
+  def new_state(self, state, params, slots: dict[int, Sequence[Any]], global_state=()
+                ) -> list[Any]:
+    """The flat new state: each leaf's new slots (``slots[i]``, leaves absent keep theirs),
+    the global stage's state and the shared state, computed from the old ``state``."""
+    new = list(state)
+    for i, leaf_slots in slots.items():
+      for k, s in zip(self.groups[i].state_outs, leaf_slots):
+        new[k] = s
+    for k, s in zip(self.global_outs, global_state):
+      new[k] = s
+    for k, s in zip(self.shared_outs, self.run_shared(state, params)):
+      new[k] = s
+    return new
+
+  def update(self, grads, state, params) -> tuple[list[Any], list[Any]]:
+    """The whole update, stage by stage: flat ``(updates, new_state)`` as ``tx.update`` gives."""
+    cuts, global_state = self.run_global(grads, state, params)
+    updates, slots = [], {}
+    for i in range(self.num_params):
+      update, slots[i] = self.run_group(i, grads[i], state, params, cuts)
+      updates.append(update)
+    return updates, self.new_state(state, params, slots, global_state)
 
 
-# optax transforms whose update requires the loss (line searches, Polyak step sizes,
-# reduce_on_plateau) fail with this TypeError when called without ``value``/``grad``/``value_fn``.
-_MISSING_EXTRA_ARGS = re.compile(r"([\w.]+)\.<locals>\.\w+\(\) missing \d+ required keyword-only")
-
-
-def _loss_stand_in(value):
-  """A ``value_fn`` for analysis only: like any loss, it reads every float param."""
-  def value_fn(params, *args, **kwargs):
-    del args, kwargs
-    floats = [x for x in jax.tree.leaves(params) if is_float(x)]
-    return value + sum(jnp.sum(x).astype(value.dtype) for x in floats)
-
-  return value_fn
-
-
-def _trace_update(tx: optax.GradientTransformation, params, state):
-  """The jaxpr of ``tx.update`` on flat leaves, and the transform that needs the loss, if any.
-
-  A transform that needs ``value``/``grad``/``value_fn`` is traced with stand-ins (one more
-  input, the loss value) only so that ``make_plan`` can say why it refuses it.
-  """
-  params_leaves, params_def = jax.tree.flatten(params)
-  state_leaves, state_def = jax.tree.flatten(state)
-  n, m = len(params_leaves), len(state_leaves)
-
-  def flat_update(flat_g, flat_s, flat_p, *value):
-    extra = {}
-    if value:
-      extra = dict(value=value[0], grad=jax.tree.unflatten(params_def, flat_g),
-                   value_fn=_loss_stand_in(value[0]))
-    updates, new_state = tx.update(jax.tree.unflatten(params_def, flat_g),
-                                   jax.tree.unflatten(state_def, flat_s),
-                                   jax.tree.unflatten(params_def, flat_p), **extra)
-    new_leaves, new_def = jax.tree.flatten(new_state)
-    if new_def != state_def:
-      raise NonSeparableError(
-          "tx.update returned an optimizer state whose tree structure differs from its input "
-          f"({new_def} vs {state_def}); optfuse needs update to keep the state structure. "
-          'Use mode="off".')
-    return jax.tree.leaves(updates), new_leaves
-
-  abstract = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-  specs = ([abstract(p) for p in params_leaves], [abstract(s) for s in state_leaves],
-           [abstract(p) for p in params_leaves])
-  try:
-    return jax.make_jaxpr(flat_update)(*specs), params_def, state_def, n, m, None
-  except TypeError as e:
-    needs_loss = _MISSING_EXTRA_ARGS.search(str(e))
-    if needs_loss is None:
-      raise
-  value = jax.ShapeDtypeStruct((), jnp.float32)
-  closed = jax.make_jaxpr(flat_update)(*specs, value)
-  return closed, params_def, state_def, n, m, needs_loss.group(1)
-
-
-_TRANSFORM_FRAME = re.compile(r"([\w.]+)\.<locals>\.(update_fn|update)$")
-
-
-def _transform_name(eqn: jcore.JaxprEqn) -> str:
-  """Names the optax transform that emitted ``eqn``, from the source traceback."""
-  frames = list(eqn.source_info.traceback.frames) if eqn.source_info.traceback else []
-  for frame in frames:
-    match = _TRANSFORM_FRAME.search(frame.function_name)
-    if match and not frame.file_name.endswith(("_combining.py", "base.py", "_wrappers.py")):
-      return match.group(1)
-  for frame in frames:
-    if "/optax/" in frame.file_name:
-      return f"{frame.function_name} ({frame.file_name.split('/optax/')[-1]}:{frame.line_num})"
-  return "an unknown part of the update"
-
-
-def _paths(tree) -> list[str]:
-  return [jax.tree_util.keystr(path) or "<root>" for path, _ in
-          jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def make_plan(tx: optax.GradientTransformation, params, state) -> UpdatePlan:
-  """Traces ``tx.update`` for these params/state and splits it per leaf.
+class PlanCache:
+  """Plans per params/state signature, built on first use (a traced call builds a fresh one).
 
   Args:
-    tx: any optax transformation.
-    params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
-    state: ``tx.init(params)`` or a state of the same structure.
-
-  Returns:
-    The ``UpdatePlan``.
-
-  Raises:
-    NonSeparableError: the update of some leaf depends on the gradients of other leaves.
+    make: ``make(params, state) -> Plan``.
   """
-  closed, params_def, state_def, n, m, needs_loss = _trace_update(tx, params, state)
-  # Constants become leading inputs, so that pruning can drop the ones a leaf does not read.
-  jaxpr, c = _jaxpr.consts_as_inputs(closed.jaxpr), len(closed.consts)
-  in_deps = [frozenset()] * c + [frozenset([i]) for i in range(n)] + [frozenset()] * (
-      m + n + (needs_loss is not None))
-  out_deps = _jaxpr.output_dependencies(jaxpr, in_deps)
-  update_deps, state_deps = out_deps[:n], out_deps[n:]
 
-  bad = [k for k, d in enumerate(out_deps) if len(d) > 1]
-  bad += [i for i, d in enumerate(update_deps) if d and d != frozenset([i])]
-  if bad:
-    eqn = _jaxpr.first_mixing_equation(jaxpr, in_deps)
-    where = _transform_name(eqn) if eqn is not None else "the update"
-    names = _paths(jax.tree.unflatten(params_def, list(range(n))))
-    k = bad[0]
-    mixed = sorted(out_deps[k])[:4]
-    raise NonSeparableError(
-        f"optfuse backward fusion cannot fuse {where}: the update of one parameter leaf depends on "
-        f"the gradients of other leaves ({', '.join(names[j] for j in mixed)}"
-        f"{', ...' if len(out_deps[k]) > 4 else ''}). Backward fusion updates each leaf as soon as "
-        'its own gradient is complete, so this transform needs mode="forward" (exact for every '
-        'optax transform), the two-pass opt-in global_ops="two_pass", or mode="off".')
-  if needs_loss is not None:
-    raise NonSeparableError(
-        f"optfuse backward fusion cannot fuse {needs_loss}: its update needs the loss (the extra "
-        "arguments value, grad or value_fn of tx.update), which the backward pass does not pass "
-        'to the update of a single leaf. Use mode="off", which passes value, grad and value_fn.')
+  def __init__(self, make: Callable[[Any, Any], Plan]):
+    self._make = make
+    self._plans: dict = {}
 
-  state_leaves, params_leaves = jax.tree.leaves(state), jax.tree.leaves(params)
-  groups = []
-  for i in range(n):
-    outs = tuple(k for k in range(m) if state_deps[k] == frozenset([i]))
-    # A non-float param has no tap: its state is updated after the backward pass, any dtype.
-    for k in outs if is_float(params_leaves[i]) else ():
-      if not is_float(state_leaves[k]):
-        raise NonSeparableError(
-            f"optimizer state leaf {_paths(state)[k]} has dtype {jnp.result_type(state_leaves[k])} "
-            "and depends on a gradient; backward fusion can only carry float state in the "
-            'backward pass. Use mode="forward" or mode="off".')
-    used = [j == i for j in range(n)] + [k in outs for k in range(m)]
-    pruned, reads = _jaxpr.prune(jaxpr, used)
-    groups.append(LeafGroup(i, outs, pruned, tuple(reads), bool(update_deps[i])))
-
-  shared_outs = tuple(k for k in range(m) if not state_deps[k])
-  shared_used = [False] * n + [k in shared_outs for k in range(m)]
-  shared_jaxpr, shared_reads = _jaxpr.prune(jaxpr, shared_used)
-  return UpdatePlan(params_def, state_def, n, m, tuple(closed.consts), tuple(groups), shared_outs,
-                    shared_jaxpr, tuple(shared_reads))
+  def __call__(self, params, state) -> Plan:
+    if is_tracing((params, state)):
+      return self._make(params, state)
+    key = (signature(params), signature(state))
+    if key not in self._plans:
+      self._plans[key] = self._make(params, state)
+    return self._plans[key]

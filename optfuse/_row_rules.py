@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
@@ -231,10 +232,33 @@ PATH_PRIMITIVES = frozenset([
     P.squeeze_p, P.broadcast_in_dim_p, P.sharding_constraint_p,
 ])
 
+class RowReduction(NamedTuple):
+  """How the values of a reduction on each row combine into its value over all rows.
+
+  Attributes:
+    combine: ``combine(a, b)``, the reduction of two partial values.
+    identity: ``identity(shape, dtype)``, its value over no rows.
+  """
+
+  combine: Callable[[Any, Any], Any]
+  identity: Callable[[tuple[int, ...], Any], Any]
+
+
+def _extreme(sign: int) -> Callable:
+  def identity(shape, dtype):
+    big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+    return jnp.full(shape, sign * big, dtype)
+
+  return identity
+
+
 # Reductions whose value over all rows is the same reduction of their values on each row.
-ROW_COMBINE = {
-    "reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.min,
-    "reduce_and": lax.bitwise_and, "reduce_or": lax.bitwise_or,
+ROW_COMBINE: dict[jcore.Primitive, RowReduction] = {
+    P.reduce_sum_p: RowReduction(lax.add, lambda shape, dtype: jnp.zeros(shape, dtype)),
+    P.reduce_max_p: RowReduction(lax.max, _extreme(-1)),
+    P.reduce_min_p: RowReduction(lax.min, _extreme(1)),
+    P.reduce_and_p: RowReduction(lax.bitwise_and, lambda shape, dtype: jnp.ones(shape, dtype)),
+    P.reduce_or_p: RowReduction(lax.bitwise_or, lambda shape, dtype: jnp.zeros(shape, dtype)),
 }
 
 

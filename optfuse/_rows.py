@@ -28,7 +28,7 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
-from optfuse._jaxpr import call_body
+from optfuse._jaxpr import CALL_PRIMITIVES, Interpreter, bind, call_body
 from optfuse._row_rules import PATH_PRIMITIVES as PATH_PRIMITIVES
 from optfuse._row_rules import ROW_COMBINE as ROW_COMBINE
 from optfuse._row_rules import ROW_RULES as ROW_RULES
@@ -48,7 +48,7 @@ class _Row:
 
 class _Partial:
   """A reduction over the stacked axis, known as its value on one row: combining the values of
-  every row with ``reduction`` gives the whole value."""
+  every row with ``ROW_COMBINE[reduction]`` gives the whole value."""
 
   __slots__ = ("value", "reduction")
 
@@ -80,40 +80,51 @@ def _bind_rows(eqn: jcore.JaxprEqn, ins: list, index, length: int) -> list:
   return [_Row(o, a) for o, a in zip(outs, how.out_axes)]
 
 
+def _has_rows(ins: list) -> bool:
+  return any(isinstance(x, _Row) for x in ins)
+
+
+def _row_call(interp: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
+  body = call_body(eqn)
+  if body is None or not _has_rows(ins) or any(isinstance(x, _Partial) for x in ins):
+    return interp.default(eqn, ins)
+  return interp.run(body.jaxpr, body.consts, ins)
+
+
+def _row_reduction(interp: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
+  """With ``partial``, a reduction over the stacked axis of a row is its partial value."""
+  row = ins[0]
+  if not (interp.partial and isinstance(row, _Row) and row.axis in eqn.params["axes"]):
+    return interp.default(eqn, ins)
+  params = clear_params(dict(eqn.params, axes=drop_axis(eqn.params["axes"], row.axis)),
+                        "out_sharding")
+  return [_Partial(eqn.primitive.bind(row.value, **params), eqn.primitive)]
+
+
+class _RowEvaluator(Interpreter):
+  """Evaluates a jaxpr whose values are ``_Row``s, ``_Partial``s (with ``partial``: a reduction
+  over the stacked axis) or full values: rows through ``ROW_RULES``, full values bound as
+  they are."""
+
+  rules = {**dict.fromkeys(CALL_PRIMITIVES, _row_call),
+           **dict.fromkeys(ROW_COMBINE, _row_reduction)}
+
+  def __init__(self, index, length: int, partial: bool):
+    super().__init__()
+    self.index, self.length, self.partial = index, length, partial
+
+  def default(self, eqn, ins):
+    if any(isinstance(x, _Partial) for x in ins):
+      raise NotRowwise(f"{eqn.primitive.name} of a reduction over the stacked axis")
+    if not _has_rows(ins):
+      return bind(eqn, ins)
+    return _bind_rows(eqn, ins, self.index, self.length)
+
+
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], index,
               length: int, partial: bool) -> list[Any]:
-  """The outputs of ``jaxpr`` as they are internally: ``_Row``, ``_Partial`` (with
-  ``partial``: a reduction over the stacked axis) or full values."""
-  env: dict = {}
-
-  def read(v):
-    return v.val if isinstance(v, jcore.Literal) else env[v]
-
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c
-  for v, a in zip(jaxpr.invars, args):
-    env[v] = a
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    name = eqn.primitive.name
-    if any(isinstance(x, _Partial) for x in ins):
-      raise NotRowwise(f"{name} of a reduction over the stacked axis")
-    row = ins[0] if ins and isinstance(ins[0], _Row) else None
-    body = call_body(eqn)
-    if not any(isinstance(x, _Row) for x in ins):
-      outs = eqn.primitive.bind(*ins, **eqn.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    elif body is not None:
-      outs = _evaluate(body.jaxpr, body.consts, ins, index, length, partial)
-    elif partial and name in ROW_COMBINE and row is not None and row.axis in eqn.params["axes"]:
-      axes = drop_axis(eqn.params["axes"], row.axis)
-      params = clear_params(dict(eqn.params, axes=axes), "out_sharding")
-      outs = [_Partial(eqn.primitive.bind(row.value, **params), name)]
-    else:
-      outs = _bind_rows(eqn, ins, index, length)
-    for v, o in zip(eqn.outvars, outs):
-      env[v] = o
-  return [read(v) for v in jaxpr.outvars]
+  """The outputs of ``jaxpr`` as they are internally: ``_Row``, ``_Partial`` or full values."""
+  return _RowEvaluator(index, length, partial).run(jaxpr, consts, args)
 
 
 def _wrap(args: Sequence[Any], is_row: Sequence[bool], axis: int) -> list:
@@ -166,8 +177,8 @@ def evaluate_row_reductions(jaxpr: jcore.Jaxpr, args: Sequence[Any], is_row: Seq
     axis: the stacked axis of the row inputs.
 
   Returns:
-    Per output, ``(partial, reduction)``: its value on this row and the name of the reduction
-    that combines the rows' values (a key of ``ROW_COMBINE``).
+    Per output, ``(partial, reduction)``: its value on this row and the reduction primitive
+    whose ``ROW_COMBINE`` entry combines the rows' values.
 
   Raises:
     NotRowwise: an output is not such a reduction, or a reduced value is used further.

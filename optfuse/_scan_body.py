@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 from jax.extend import core as jcore
 
 from optfuse import _jaxpr, _rows
@@ -27,14 +26,6 @@ def split(values, mask):
 def merge(selected, others, mask):
   it_s, it_o = iter(selected), iter(others)
   return [next(it_s) if m else next(it_o) for m in mask]
-
-
-def row_at(x, index, axis: int = 0):
-  return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
-
-
-def write_row(buf, row, index, axis: int = 0):
-  return lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), index, axis)
 
 
 class Residuals(NamedTuple):

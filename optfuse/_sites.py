@@ -86,10 +86,14 @@ def _use_counts(jaxpr: jcore.Jaxpr) -> dict:
 Refusal = Callable[[int, int, int], "str | None"]
 
 
-class Finder:
-  """Walks the loss jaxpr once, following every float param leaf to the scans that read it."""
+class Finder(_jaxpr.Interpreter):
+  """Walks the loss jaxpr once, following every float param leaf to the scans that read it.
+
+  Its values are ``View``s of param leaves (``None`` for values computed from no param leaf).
+  """
 
   def __init__(self, shapes: list, refuse: Refusal, remat_problem: str | None):
+    super().__init__()
     self.shapes = shapes
     self.refuse = refuse
     self.remat_problem = remat_problem
@@ -99,54 +103,69 @@ class Finder:
     self.deferred: set = set()
     self.stacked: dict = {}
     self.reasons: dict = {}
+    self.problem: str | None = None
+    self.counts: dict = {}
 
   def reason(self, leaf: int, why: str) -> None:
     self.reasons.setdefault(leaf, why)
 
+  def literal(self, atom) -> None:
+    return None
+
+  def missing(self, v) -> None:
+    return None
+
+  def write(self, v, w: View | None) -> None:
+    if w is not None:
+      self.env[v] = w._replace(shared=w.shared or self.counts.get(v, 0) > 1,
+                               problem=w.problem or self.problem)
+
   def walk(self, jaxpr: jcore.Jaxpr, views: dict, problem: str | None = None) -> list:
     """Finds the sites in ``jaxpr`` whose invars carry ``views``; returns the views of its
-    outvars."""
-    counts = _use_counts(jaxpr)
+    outvars (``problem``: why no scan in it can fuse a leaf, if none can)."""
+    outer = self.problem, self.counts
+    self.problem, self.counts = problem, _use_counts(jaxpr)
+    try:
+      return self.run(jaxpr, [None] * len(jaxpr.constvars), [views.get(v) for v in jaxpr.invars])
+    finally:
+      self.problem, self.counts = outer
 
-    def put(v, w: View) -> None:
-      views[v] = w._replace(shared=w.shared or counts.get(v, 0) > 1, problem=w.problem or problem)
+  def default(self, eqn, ins) -> list:
+    w = next((w for w in ins if w), None)
+    if w is None:
+      return [None] * len(eqn.outvars)
+    # Followed only to say why a scan that reads the result cannot fuse the leaf.
+    return [w._replace(axes=(), problem=w.problem or (
+        f"its scan reads it after {eqn.primitive.name}, which optfuse does not move into the "
+        "loop body"))] * len(eqn.outvars)
 
-    given, views = views, {}
-    for v, w in given.items():
-      put(v, w)
-    for eqn in jaxpr.eqns:
-      ins = [views.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
-      if not any(ins):
-        continue
-      prim = eqn.primitive
-      if prim is P.scan_p:
-        self.scan(eqn, ins)
-        continue
-      body = _jaxpr.call_body(eqn)
-      if body is not None and prim in _REWRITTEN_CALLS:
-        self.remat_depth += prim in REWRAPPED_CALLS
-        outs = self.walk(body.jaxpr, {iv: w for iv, w in zip(body.jaxpr.invars, ins) if w},
-                         self.remat_problem if prim in REWRAPPED_CALLS else None)
-        self.remat_depth -= prim in REWRAPPED_CALLS
-        for v, w in zip(eqn.outvars, outs):
-          if w is not None and prim in _INLINED_CALLS:
-            put(v, w)
-      elif prim in _OPAQUE:
-        for inner in _jaxpr_params(eqn):
-          self.walk(inner, {iv: w for iv, w in zip(_operands(eqn, inner), ins) if w},
-                    _OPAQUE[prim])
-      elif prim in _rows.PATH_PRIMITIVES and len(eqn.invars) == 1:
-        put(eqn.outvars[0], self.step(eqn, ins[0]))
-      else:  # followed only to say why a scan that reads the result cannot fuse the leaf
-        w = next(w for w in ins if w)
-        for v in eqn.outvars:
-          put(v, w._replace(axes=(), problem=w.problem or (
-              f"its scan reads it after {prim.name}, which optfuse does not move into the loop "
-              "body")))
-    return [views.get(v) if isinstance(v, jcore.Var) else None for v in jaxpr.outvars]
+  def call(self, eqn, ins) -> list:
+    """A call whose body the loss interpreter may rewrite: its scans are found inside."""
+    body = _jaxpr.call_body(eqn)
+    if body is None or not any(ins):
+      return self.default(eqn, ins)
+    rewrapped = eqn.primitive in REWRAPPED_CALLS
+    self.remat_depth += rewrapped
+    outs = self.walk(body.jaxpr, {iv: w for iv, w in zip(body.jaxpr.invars, ins) if w},
+                     self.remat_problem if rewrapped else None)
+    self.remat_depth -= rewrapped
+    return [None] * len(eqn.outvars) if rewrapped else outs
 
-  def step(self, eqn: jcore.JaxprEqn, w: View) -> View:
-    """The view of a path equation's output."""
+  def opaque(self, eqn, ins) -> list:
+    """A ``while``, ``cond`` or custom-derivative equation: its scans are not fused, and the
+    reasons say why."""
+    if not any(ins):
+      return self.default(eqn, ins)
+    for inner in _jaxpr_params(eqn):
+      self.walk(inner, {iv: w for iv, w in zip(_operands(eqn, inner), ins) if w},
+                _OPAQUE[eqn.primitive])
+    return [None] * len(eqn.outvars)
+
+  def path(self, eqn, ins) -> list:
+    """A row-preserving equation: the view moves its candidate stacked axes."""
+    if len(eqn.invars) != 1 or ins[0] is None:
+      return self.default(eqn, ins)
+    w = ins[0]
     axes = []
     for stored, axis in w.axes:
       try:
@@ -155,9 +174,12 @@ class Finder:
         pass
     problem = w.problem or (None if axes else f"its rows are mixed by {eqn.primitive.name} on "
                             "the way to its scan")
-    return View(w.leaf, tuple(axes), (*w.path, eqn), w.shared, problem)
+    return [View(w.leaf, tuple(axes), (*w.path, eqn), w.shared, problem)]
 
-  def scan(self, eqn: jcore.JaxprEqn, ins: list) -> None:
+  def scan(self, eqn: jcore.JaxprEqn, ins: list) -> list:
+    """A scan: the leaves it reads as scanned inputs, each fused or given a reason."""
+    if not any(ins):
+      return [None] * len(eqn.outvars)
     prm = eqn.params
     start, length = prm["num_consts"] + prm["num_carry"], prm["length"]
     positions, leaves, axes, paths = [], [], [], []
@@ -191,6 +213,14 @@ class Finder:
     if leaves:
       self.sites[id(eqn)] = Site(tuple(positions), tuple(leaves), tuple(axes), tuple(paths))
       self.deferred.update(id(e) for path in paths for e in path)
+    return [None] * len(eqn.outvars)
+
+  rules = {
+      P.scan_p: scan,
+      **dict.fromkeys(_REWRITTEN_CALLS, call),
+      **dict.fromkeys(_OPAQUE, opaque),
+      **dict.fromkeys(_rows.PATH_PRIMITIVES, path),
+  }
 
 
 def entered_calls(jaxpr: jcore.Jaxpr, marked: set) -> frozenset:

@@ -2,10 +2,10 @@
 
 ``optfuse.fuse(tx, mode="backward", global_ops="two_pass")`` runs the forward pass once and its
 pullback twice. Each float leaf enters the loss through a tap (an identity with a
-``jax.custom_vjp``, as in ``_backward``):
+``jax.custom_vjp``, ``_tap``):
 
 * in the first backward pass each tap's rule computes its leaf's *statistics* (its squared norm,
-  whether it is finite: ``_global.StatsPlan``) from the leaf's complete gradient and returns them
+  whether it is finite: ``_plan.StatsPlan``) from the leaf's complete gradient and returns them
   as the cotangent of a zero input, so only statistics leave the pass;
 * the *combine* step turns every leaf's statistics into the *cuts* (the clipping factor, the
   all-finite flag) and the global state;
@@ -28,13 +28,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _backward, _global, _leaves, _loops, _plan
+from optfuse import _backward, _global, _leaves, _loops, _split
+from optfuse._checks import check_loss
 from optfuse._errors import NonSeparableError
+from optfuse._plan import Plan
+from optfuse._tap import make_tap
 
 
-def make_plan(tx: optax.GradientTransformation, params,
-              state) -> _plan.UpdatePlan | _global.GlobalPlan:
-  """The plan of ``global_ops="two_pass"``: ``_plan.make_plan``'s where the transform is separable.
+def make_plan(tx: optax.GradientTransformation, params, state) -> Plan:
+  """The plan of ``global_ops="two_pass"``: ``_split.make_plan``'s where the transform is
+  separable.
 
   Args:
     tx: any optax transformation.
@@ -42,15 +45,15 @@ def make_plan(tx: optax.GradientTransformation, params,
     state: ``tx.init(params)`` or a state of the same structure.
 
   Returns:
-    An ``UpdatePlan`` for a separable transform (it needs no statistics and runs the one-pass
-    backward step), otherwise a ``GlobalPlan`` with per-leaf statistics.
+    A separable plan for a separable transform (it needs no statistics and runs the one-pass
+    backward step), otherwise a plan with a global stage and per-leaf statistics.
 
   Raises:
     NonSeparableError: the global stage does not split into per-leaf statistics the backward pass
       can carry (see ``_global.make_global_plan``).
   """
   try:
-    return _plan.make_plan(tx, params, state)
+    return _split.make_plan(tx, params, state)
   except NonSeparableError:
     return _global.make_global_plan(tx, params, state, two_pass=True)
 
@@ -72,7 +75,7 @@ class _Updater:
   with ``cuts``, the combined statistics).
   """
 
-  def __init__(self, plan: _global.GlobalPlan, state_leaves: list, param_leaves: list,
+  def __init__(self, plan: Plan, state_leaves: list, param_leaves: list,
                extra: list | None):
     self.plan = plan
     self.state = state_leaves
@@ -125,12 +128,12 @@ def _after(seed, cuts):
   return jnp.where((bits | 1) != 0, seed, jnp.zeros_like(seed))
 
 
-def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool, params, state,
+def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
                      args: tuple, kwargs: dict, extra_grads=None) -> tuple[Any, Any, Any]:
   """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
 
   Args:
-    plan: a ``GlobalPlan`` built with ``two_pass=True`` (``make_plan``).
+    plan: a plan with a global stage, built with ``two_pass=True`` (``make_plan``).
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     params: the params tree.
@@ -151,10 +154,8 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   updater = _Updater(plan, state_leaves, param_leaves, extra)
   # A scanned leaf is updated inside the backward loop when its rows can be reduced to its
   # statistics one at a time and updated one at a time; otherwise it gets a tap.
-  refuse = lambda leaf, length, axis: plan.row_refusal(leaf, state_leaves, param_leaves,
-                                                      stats=True, axis=axis)
   loop_plan = _loops.analyze(loss_fn, plan, params, state_leaves, args, kwargs, diff,
-                             refuse=refuse, remat_problem=_loops.REMAT_TWO_PASS)
+                             two_pass=True)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
 
   def slots_of(i):
@@ -167,51 +168,36 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
     return jnp.zeros_like(p) if extra is None else extra[i].astype(jnp.result_type(p))
 
   def apply(i, grad, param, slots, cuts):
-    state_in, params_in = list(state_leaves), list(param_leaves)
-    for k, s in zip(plan.groups[i].state_outs, slots):
-      state_in[k] = s
-    params_in[i] = param
-    update, new_slots = plan.run_group(i, grad, state_in, params_in, cuts)
-    return optax.apply_updates(param, update), tuple(new_slots)
+    return plan.apply_leaf(i, grad, param, slots, state_leaves, param_leaves, cuts)
 
-  def make_tap(i):
-    @jax.custom_vjp
-    def tap(param, slots, stat_zeros, extra):
-      del slots, stat_zeros, extra
-      return param
-
-    def fwd(param, slots, stat_zeros, extra):
-      del stat_zeros
-      return param, (param, slots, extra)
-
-    def bwd(res, grad):
-      param, slots, extra = res
+  def tap_rule(i):
+    def rule(grad, param, operands):
+      slots, _, extra = operands
       grad = _with_extra(grad, extra)
       updater.fired.add(i)
       if updater.stage == "stats":
         params_in = list(param_leaves)
         params_in[i] = param
         stats = plan.run_stats(i, grad, state_leaves, params_in)
-        return None, None, tuple(_carry(s) for s in stats), None
+        return None, (None, tuple(_carry(s) for s in stats), None)
       new_param, new_slots = apply(i, grad, param, slots, updater.cuts)
-      return new_param, new_slots, None, None
+      return new_param, (new_slots, None, None)
 
-    tap.defvjp(fwd, bwd)
-    return tap
+    return rule
 
-  taps = {i: make_tap(i) for i in tapped_leaves}
+  taps = {i: make_tap(tap_rule(i)) for i in tapped_leaves}
   stat_avals = plan.stats.stats if plan.stats is not None else ((),) * plan.num_params
 
   def tapped_loss(diff_params, slots, stat_zeros):
     leaves = list(param_leaves)
     for i in tapped_leaves:
-      leaves[i] = taps[i](diff_params[i], slots[i], stat_zeros[i],
-                          None if extra is None else extra[i])
+      leaves[i] = taps[i](diff_params[i], (slots[i], stat_zeros[i],
+                                           None if extra is None else extra[i]))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
     updater.stat_inputs = stat_zeros
     value = loop_plan.call(updater, leaves, slots, args, kwargs)
-    return _backward.check_loss(value, has_aux)
+    return check_loss(value, has_aux)
 
   stat_zeros = {i: tuple(jnp.zeros(a.shape, jnp.result_type(_carry(jnp.zeros((), a.dtype))))
                          for a in stat_avals[i]) for i in diff}
@@ -234,17 +220,45 @@ def value_and_update(plan: _global.GlobalPlan, loss_fn: Callable, has_aux: bool,
   new_params, new_slots, _ = pullback(seed)
   fired = updater.fired_in["update"]
 
-  params_out, slots_out = list(param_leaves), {}
-  for i, p in enumerate(param_leaves):
-    if i in fired:
-      params_out[i], slots_out[i] = new_params[i], new_slots[i]
-    else:
-      new_p, slots_out[i] = apply(i, unfired_grad(i), p, slots_of(i), cuts)
-      if _leaves.is_float(p):
-        params_out[i] = new_p
-      else:  # not trained: optax's zero-gradient update would promote its int slots to float
-        slots_out[i] = _backward.keep_int_state(slots_out[i], slots_of(i))
-  state_out = plan.new_state(state_leaves, param_leaves, slots_out, global_state)
+  params_out, state_out = _finish(plan, new_params, new_slots, fired, param_leaves,
+                                  state_leaves, unfired_grad,
+                                  cuts, global_state)
   value = (loss, aux) if has_aux else loss
   return (value, jax.tree.unflatten(plan.params_def, params_out),
           jax.tree.unflatten(plan.state_def, state_out))
+
+
+def _finish(plan: Plan, new_params: dict, new_slots: dict, fired: set, param_leaves: list,
+            state_leaves: list, unfired_grad: Callable, cuts, global_state) -> tuple[list, list]:
+  """The flat new params and state: the fired leaves' cotangents, and optax's update with
+  ``unfired_grad(i)`` for the others."""
+  params_out, slots_out = list(param_leaves), {}
+  for i, p in enumerate(param_leaves):
+    slots = tuple(state_leaves[k] for k in plan.groups[i].state_outs)
+    if i in fired:
+      params_out[i], slots_out[i] = new_params[i], new_slots[i]
+      continue
+    new_p, slots_out[i] = plan.apply_leaf(i, unfired_grad(i), p, slots, state_leaves,
+                                          param_leaves, cuts)
+    if _leaves.is_float(p):
+      params_out[i] = new_p
+    else:  # not trained: optax's zero-gradient update would promote its int slots to float
+      slots_out[i] = _leaves.keep_int_state(slots_out[i], slots)
+  return params_out, plan.new_state(state_leaves, param_leaves, slots_out, global_state)
+
+
+class TwoPassEngine(_backward.BackwardEngine):
+  """``mode="backward", global_ops="two_pass"``: backward fusion of global transforms; a
+  separable transform runs the one-pass backward step."""
+
+  two_pass = True
+
+  def make_plan(self, params, state) -> Plan:
+    return make_plan(self.tx, params, state)
+
+  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict,
+            extra_grads=None):
+    plan = self.plans(params, state)
+    if plan.is_separable:
+      return super().fused(loss_fn, has_aux, params, state, args, kwargs, extra_grads)
+    return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, extra_grads)
