@@ -53,6 +53,13 @@ def _index(tree, sl):
   return jax.tree.map(lambda x: x[sl] if _is_array(x) else x, tree)
 
 
+def _take(tree, index):
+  """Microbatch ``index`` (a scalar holding an integer, maybe a float) of every array leaf."""
+  i = jnp.asarray(index).astype(jnp.int32)
+  return jax.tree.map(
+      lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False) if _is_array(x) else x, tree)
+
+
 def _float_grad(loss_fn: Callable, has_aux: bool):
   """``(value, grads)`` of ``loss_fn``; non-float param leaves get zero gradients."""
   def value_and_grad(params, args, kwargs):
@@ -99,17 +106,10 @@ def _sum_gradients(loss_fn, has_aux, params, args, kwargs, count):
   return values, acc
 
 
-def _combine(values, last_value, has_aux: bool, k: int):
-  """Mean loss over the microbatches (whose losses were scaled by 1/k); aux stacked."""
-  stack = lambda xs, x: jnp.concatenate([xs, x[None]])
-  if has_aux:
-    return stack(values[0], last_value[0]).sum(), jax.tree.map(stack, values[1], last_value[1])
-  return stack(values, last_value).sum()
-
-
-def scale_loss(loss_fn: Callable, has_aux: bool, microbatches: int) -> Callable:
-  """``loss_fn`` divided by ``microbatches``: the sum of its gradients over the microbatches is
-  their mean gradient, and the sum of its values the mean loss."""
+def scale_loss(loss_fn: Callable, has_aux: bool, microbatches) -> Callable:
+  """``loss_fn`` divided by ``microbatches`` (an int, or a scalar of the loss's dtype): the sum
+  of its gradients over the microbatches is their mean gradient, and the sum of its values the
+  mean loss."""
   def scaled(params, *args, **kwargs):
     value = loss_fn(params, *args, **kwargs)
     return (value[0] / microbatches, value[1]) if has_aux else value / microbatches
@@ -138,17 +138,44 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int, fused: Fused
   scaled = scale_loss(loss_fn, has_aux, k)
 
   def step(params, state, *args, **kwargs):
-    mb_args, mb_kwargs = split(args, kwargs, k)
+    batches = split(args, kwargs, k)
+    first_args, first_kwargs = _take(batches, 0)
+    value = jax.eval_shape(scaled, params, *first_args, **first_kwargs)
+    loss_dtype = (value[0] if has_aux else value).dtype
+    dtype = jnp.promote_types(loss_dtype, jnp.float32)
 
-    def body(acc, batch):
-      value, _, acc = accumulate(scaled, params, acc, *batch, None)
-      return acc, value
+    # The microbatches are read by dynamic index (slicing off the first k - 1 would copy them).
+    # The loop carries the losses of the microbatches, whose last slot (the last microbatch's
+    # loss, filled after the loop) holds the loop's counter meanwhile: a counter of its own
+    # would be one more loop-carried buffer. The counter is a float, as XLA folds an integer
+    # counter's final value to a constant.
+    def body(carry, _):
+      acc, losses = carry
+      index = losses[k - 1]
+      value, _, acc = accumulate(scaled, params, acc, *_take(batches, index), None)
+      loss, aux = value if has_aux else (value, None)
+      losses = losses.at[index.astype(jnp.int32)].set(loss.astype(dtype)).at[k - 1].add(1)
+      return (acc, losses), aux
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    acc, values = lax.scan(body, zeros, _index((mb_args, mb_kwargs), slice(0, k - 1)))
-    last_args, last_kwargs = _index((mb_args, mb_kwargs), k - 1)
-    value, params, state = fused(scaled, params, state, last_args, last_kwargs, acc)
-    return _combine(values, value, has_aux, k), params, state
+    (acc, losses), auxes = lax.scan(body, (zeros, jnp.zeros(k, dtype)), None, length=k - 1)
+    index, last_scaled = k - 1, scaled
+    if k > 2:
+      # The last microbatch's index is the counter's final value, and its loss is divided by
+      # that plus one (k, exactly): its forward pass and the constants of its backward pass
+      # (the loss's cotangent, broadcast) then depend on the loop, so XLA can neither start
+      # them before the loop nor hold what they make across it. (XLA removes a loop of one
+      # iteration, and then folds the counter anyway.)
+      index = losses[k - 1]
+      last_scaled = scale_loss(loss_fn, has_aux, (index + 1).astype(loss_dtype))
+    last_args, last_kwargs = _take(batches, index)
+    value, params, state = fused(last_scaled, params, state, last_args, last_kwargs, acc)
+    loss, aux = value if has_aux else (value, None)
+    loss = losses.at[k - 1].set(loss.astype(dtype)).astype(loss_dtype).sum()
+    if has_aux:
+      stack = lambda xs, x: jnp.concatenate([xs, x[None]])
+      return (loss, jax.tree.map(stack, auxes, aux)), params, state
+    return loss, params, state
 
   return step
 
