@@ -21,6 +21,7 @@ import optax
 from jax import lax
 
 from optfuse._errors import MicrobatchError
+from optfuse._leaves import is_float
 
 FusedStep = Callable[[Callable, Any, Any, tuple, dict, Any], tuple[Any, Any, Any]]
 
@@ -64,7 +65,7 @@ def _float_grad(loss_fn: Callable, has_aux: bool):
   """``(value, grads)`` of ``loss_fn``; non-float param leaves get zero gradients."""
   def value_and_grad(params, args, kwargs):
     leaves, treedef = jax.tree.flatten(params)
-    diff = [i for i, p in enumerate(leaves) if jnp.issubdtype(jnp.result_type(p), jnp.inexact)]
+    diff = [i for i, p in enumerate(leaves) if is_float(p)]
 
     def of_diff(diff_leaves):
       full = list(leaves)
@@ -191,7 +192,7 @@ def optax_step(loss_fn: Callable, has_aux: bool, microbatches: int, tx):
     updates, state = tx.update(grads, state, params)
     new = optax.apply_updates(params, updates)
     new = jax.tree.map(
-        lambda p, n: n if jnp.issubdtype(jnp.result_type(p), jnp.inexact) else p, params, new)
+        lambda p, n: n if is_float(p) else p, params, new)
     if has_aux:
       value = (values[0].mean(), values[1])
     else:

@@ -47,7 +47,7 @@ from optfuse._checks import check_params
 from optfuse._engine import Step
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
 from optfuse._plan import Plan, PlanCache
-from optfuse._row_buffers import row_at, row_loop
+from optfuse._row_buffers import Stack, row_at, row_loop
 
 
 def apply_pending(plan: Plan, params, state: ForwardState,
@@ -132,18 +132,17 @@ def _update_rows(plan: Plan, i: int, grads, state, params, cuts, axis: int = 0
   """
   group, length = plan.groups[i], jnp.shape(params[i])[axis]
 
-  def body(k, index, rows, carry):
+  def body(k, index, param_rows, read, carry):
     del k
-    param_row, slot_rows = rows
     grad_row = row_at(grads[i], index, axis)
     update, new_slots = plan.run_group_row(i, state, params, cuts,
-                                           (grad_row, param_row, slot_rows), index, length, axis)
-    return (optax.apply_updates(param_row, update), new_slots), carry
+                                           (grad_row, param_rows[0], read(0, grad_row)), index,
+                                           length, axis)
+    return [(optax.apply_updates(param_rows[0], update), new_slots)], carry
 
-  buffers = (params[i], [state[k] for k in group.state_outs])
-  (param, slots), _ = row_loop(length, lambda k: k, buffers, (axis, [axis] * len(buffers[1])),
-                               body, ())
-  return param, slots
+  stack = Stack(params[i], tuple(state[k] for k in group.state_outs), axis)
+  (stack,), _ = row_loop(length, lambda k: k, [stack], body, ())
+  return stack.param, list(stack.slots)
 
 
 def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,

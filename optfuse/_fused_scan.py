@@ -33,8 +33,8 @@ from jax import lax
 from jax.extend import core as jcore
 
 from optfuse import _rows
-from optfuse._leaves import is_float_aval
-from optfuse._row_buffers import row_at, row_loop, write_row
+from optfuse._leaves import is_float, is_float_aval
+from optfuse._row_buffers import Stack, row_at, row_loop, write_row
 from optfuse._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._sites import Site
 
@@ -287,13 +287,12 @@ class _BackwardLoop(NamedTuple):
     leaves = [by_kind[kind][k] for kind, k in residuals.sources]
     return jax.tree.unflatten(residuals.treedef, leaves)
 
-  def iteration(self, index, rows, carry, stats: bool):
+  def iteration(self, index, p_rows, read, carry, stats: bool):
     """Iteration ``index``: the body's pullback, then each leaf's row updated (or, with
     ``stats``, reduced into its statistics); returns the new rows and the carry."""
     body, updater, site = self.body, self.updater, self.body.site
     length, nk = body.length, body.eqn.params["num_carry"]
     ct_c, ct_consts, ct_xo, accs = carry
-    p_rows, slot_rows = rows
     c_row = [row_at(c, index) for c in self.carries] if self.residuals.needs_carry else [None] * nk
     xo_rows = [row_at(x, index) for x in self.xs_other]
     # The param rows go through their paths (a cast, a transpose) inside the loop; the
@@ -303,7 +302,7 @@ class _BackwardLoop(NamedTuple):
     pullback = self.pullback(index, c_row, q_rows, xo_rows)
     g_consts, g_carry, g_q, g_xo = pullback([*split(ct_c, body.fk)[0], *ct_y_row])
     (g_params,) = path_vjp(list(g_q))
-    new_p_rows, new_slot_rows, accs = [None] * len(p_rows), [None] * len(p_rows), list(accs)
+    new_rows, accs = [], list(accs)
     for j, (leaf, axis) in enumerate(zip(site.leaves, site.axes)):
       g = g_params[j]
       if self.extras[j] is not None:
@@ -312,23 +311,23 @@ class _BackwardLoop(NamedTuple):
         partials = updater.row_stats(leaf, g, index, length, axis)
         accs[j] = tuple(_rows.ROW_COMBINE[r].combine(a, v.astype(a.dtype))
                         for a, (v, r) in zip(accs[j], partials))
-        new_slot_rows[j] = [None] * len(slot_rows[j])
+        new_rows.append((None, None))
         continue
-      update, new_slots = updater.row_update(leaf, g, p_rows[j], slot_rows[j], self.readonly[j],
+      # The slot rows are read once the gradient row exists (``_row_buffers``).
+      update, new_slots = updater.row_update(leaf, g, p_rows[j], read(j, g), self.readonly[j],
                                              index, length, axis)
-      if updater.update_params:
-        new_p_rows[j] = (p_rows[j] + update).astype(p_rows[j].dtype)
-      new_slot_rows[j] = list(new_slots)
+      new_param = (p_rows[j] + update).astype(p_rows[j].dtype) if updater.update_params else None
+      new_rows.append((new_param, list(new_slots)))
     ct_consts = [a + b for a, b in zip(ct_consts, g_consts)]
     ct_xo = [write_row(acc, g, index) for acc, g in zip(ct_xo, g_xo)]
     ct_c = merge(g_carry, [None] * (nk - sum(body.fk)), body.fk)
-    return (new_p_rows, new_slot_rows), (ct_c, ct_consts, ct_xo, tuple(accs))
+    return new_rows, (ct_c, ct_consts, ct_xo, tuple(accs))
 
   def run(self, pstacks, ct_carry, stats: bool):
     """``(ct_carry, ct_consts, param stacks, state stacks, ct_xs, statistics)``.
 
-    The param and state stacks are updated in place by ``_row_buffers.row_loop``, which
-    prefetches each iteration's rows from the buffers the previous one wrote.
+    The param and state stacks are updated in place by ``_row_buffers.row_loop``; the first
+    param rows are read after the loop's first cotangent.
     """
     body, updater, axes = self.body, self.updater, self.body.site.axes
     nk = body.eqn.params["num_carry"]
@@ -337,12 +336,13 @@ class _BackwardLoop(NamedTuple):
              [jnp.zeros_like(x) for x in split(self.xs_other, body.fxo)[0]],
              tuple(_stat_identities(updater, leaf, p, body.length, a) if stats else ()
                    for leaf, p, a in zip(body.site.leaves, pstacks, axes)))
-    buffers = (list(pstacks), [list(s) for s in self.leaf_slots])
-    buffer_axes = (list(axes), [[a] * len(s) for s, a in zip(self.leaf_slots, axes)])
-    (stacks, state_stacks), (ct_c, ct_consts, ct_xo, accs) = row_loop(
-        body.length, self.index_of, buffers, buffer_axes,
-        lambda k, index, rows, carry: self.iteration(index, rows, carry, stats), carry)
-    return ct_c, ct_consts, stacks, [tuple(s) for s in state_stacks], ct_xo, accs
+    stacks = [Stack(p, tuple(s), a) for p, s, a in zip(pstacks, self.leaf_slots, axes)]
+    first = next((c for c in [*ct_carry, *self.ct_ys] if c is not None and is_float(c)), None)
+    stacks, (ct_c, ct_consts, ct_xo, accs) = row_loop(
+        body.length, self.index_of, stacks,
+        lambda k, index, rows, read, carry: self.iteration(index, rows, read, carry, stats),
+        carry, first)
+    return ct_c, ct_consts, [s.param for s in stacks], [s.slots for s in stacks], ct_xo, accs
 
 
 def _stat_identities(updater, leaf: int, stack, length: int, axis: int) -> tuple:

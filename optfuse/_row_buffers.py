@@ -1,22 +1,32 @@
-"""The in-place row-buffer idiom: read, update and write one row of stacked buffers per
-iteration, with the next rows prefetched from the buffers just written.
+"""The in-place row-buffer idiom: update one row of stacked buffers per loop iteration.
 
 Every row loop of optfuse (the backward loop of a fused scan, the forward loop that applies a
-pending update before each layer, the row updates before the loss) updates stacked params and
-optimizer state in place with ``dynamic_update_slice``. XLA does that without copying a buffer
-only when it can prove that no read of the old buffer happens after its write. Reading the next
-iteration's rows from the buffers *just written* (``row_loop``) makes every read of a buffer
-depend on its last write: an unordered read of old ``mu`` next to the in-place write of ``mu``
-makes XLA copy the whole buffer every iteration (measured in ``_fused_scan``: both moment
-stacks of AdamW copied per layer).
+pending update before each layer, the row updates before the loss) updates a stacked param and
+its optimizer-state slots in place with ``dynamic_update_slice``. XLA does that without copying
+a buffer only when it can prove that every read of the old buffer happens before its write, and
+it keeps a row alive from the point it is sliced to its last use. ``row_loop`` orders the reads
+and writes of each leaf so that both hold:
+
+* the param row is *prefetched*: read at the end of the previous iteration from the buffer just
+  written (the body reads it all iteration long, and a read that depends on the last write is
+  one XLA can order before the next one);
+* the slot rows (Adam's ``mu`` and ``nu``) are read only once the value they are combined with
+  exists (``read_slots(j, x)``: the leaf's gradient row), and written only after the param row
+  is (``after``), so that their reads fuse into the update and they are never held through the
+  body's VJP.
+
+Measured on the 1.3B decoder (AdamW, backward fusion): prefetching every row kept 12 rows
+(three layer rows, 576 MiB) alive through the VJP, 18.02 GB peak; this order holds only the four
+param rows, 17.61 GB. An unordered read of old ``mu`` next to its in-place write makes XLA copy
+the whole stack every iteration instead (an optimization barrier does not order them: XLA's CPU
+pipeline drops it before copy insertion).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -31,40 +41,82 @@ def write_row(buf, row, index, axis: int = 0):
   return lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), index, axis)
 
 
-def read_rows(buffers, axes, index):
-  """Row ``index`` of every buffer of the pytree ``buffers``, along the matching ``axes``."""
-  return jax.tree.map(lambda b, a: row_at(b, index, a), buffers, axes)
+def after(index, x):
+  """``index``, as a value XLA computes only once ``x`` exists: reads and writes at it follow
+  ``x``. (``min(i, max(d, i)) == i`` for any integer ``d``, an identity XLA does not fold.)"""
+  if x is None or not jnp.size(x):
+    return index
+  dep = jnp.ravel(x)[0].real.astype(jnp.int32)
+  return jnp.minimum(index, jnp.maximum(dep, index))
 
 
-def write_rows(buffers, rows, axes, index):
-  """Writes ``rows`` into ``buffers`` at ``index``; a ``None`` row leaves its buffer as it is."""
-  return jax.tree.map(lambda b, r, a: b if r is None else write_row(b, r, index, a),
-                      buffers, rows, axes)
+class Stack(NamedTuple):
+  """One stacked leaf's buffers in a row loop: its param and its state slots, stacked along
+  ``axis``."""
+
+  param: Any
+  slots: tuple
+  axis: int
 
 
-def row_loop(length: int, index_of: Callable, buffers, axes,
-             body: Callable[[Any, Any, Any, Any], tuple[Any, Any]], carry):
-  """Runs ``body`` once per row, updating ``buffers`` in place.
+def write_stack(stack: Stack, param_row, slot_rows, index) -> Stack:
+  """Writes a leaf's new rows at ``index``: the param row (``None``: kept), then the slot rows
+  (``None``: kept) after it."""
+  param, at = stack.param, index
+  if param_row is not None:
+    param = write_row(param, param_row, index, stack.axis)
+    at = after(index, param)
+  slots = tuple(s if r is None else write_row(s, r, at, stack.axis)
+                for s, r in zip(stack.slots, slot_rows or [None] * len(stack.slots)))
+  return Stack(param, slots, stack.axis)
+
+
+def read_slots(stack: Stack, index, x) -> list:
+  """A leaf's slot rows at ``index``, read once ``x`` exists."""
+  at = after(index, x)
+  return [row_at(s, at, stack.axis) for s in stack.slots]
+
+
+# ``body(k, index, param_rows, read, carry) -> (new_rows, carry)``: ``read(j, x)`` gives leaf
+# ``j``'s slot rows read after ``x``; ``new_rows[j]`` is ``(param_row, slot_rows)``, ``None``s
+# where a row is kept.
+RowBody = Callable[[Any, Any, list, Callable, Any], tuple[Sequence, Any]]
+
+
+def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: RowBody, carry,
+             first=None) -> tuple[list[Stack], Any]:
+  """Runs ``body`` once per row, updating the ``stacks`` in place in the order above.
 
   Args:
     length: the number of iterations.
     index_of: ``index_of(k)``, the row of iteration ``k`` (``k`` or ``length - 1 - k``).
-    buffers: a pytree of stacked arrays.
-    axes: the stacked axis of each buffer (a pytree like ``buffers``).
-    body: ``body(k, index, rows, carry) -> (new_rows, carry)``; ``rows`` are the buffers' rows
-      at ``index``, ``new_rows`` is a pytree like them (``None`` leaves a buffer's row as it is).
+    stacks: the stacked leaves the loop updates.
+    body: the iteration (``RowBody``).
     carry: the loop's other state.
+    first: a value the first param rows are read after (the loop's first input), so that XLA
+      does not slice them at the start of the step and hold them until the loop.
 
   Returns:
-    ``(buffers, carry)`` after the last iteration.
+    ``(stacks, carry)`` after the last iteration.
   """
-  def iteration(k, state):
-    buffers, rows, carry = state
-    index = index_of(k)
-    new_rows, carry = body(k, index, rows, carry)
-    buffers = write_rows(buffers, new_rows, axes, index)
-    return buffers, read_rows(buffers, axes, index_of(jnp.minimum(k + 1, length - 1))), carry
+  axes = [s.axis for s in stacks]
+  # The loop carries the buffers; the axes stay static.
+  restack = lambda buffers: [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)]
 
-  init = (buffers, read_rows(buffers, axes, index_of(0)), carry)
+  def prefetch(stacks, index):
+    return [row_at(s.param, index, s.axis) for s in stacks]
+
+  def iteration(k, state):
+    buffers, param_rows, carry = state
+    stacks, index = restack(buffers), index_of(k)
+    read = lambda j, x: read_slots(stacks[j], index, x)
+    new_rows, carry = body(k, index, param_rows, read, carry)
+    stacks = [write_stack(s, *rows, index) for s, rows in zip(stacks, new_rows)]
+    next_rows = prefetch(stacks, index_of(jnp.minimum(k + 1, length - 1)))
+    return [(s.param, s.slots) for s in stacks], next_rows, carry
+
+  stacks = list(stacks)
+  init = ([(s.param, s.slots) for s in stacks], prefetch(stacks, after(index_of(0), first)),
+          carry)
   buffers, _, carry = lax.fori_loop(0, length, iteration, init)
-  return buffers, carry
+  return restack(buffers), carry
