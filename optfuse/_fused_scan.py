@@ -34,7 +34,7 @@ from jax.extend import core as jcore
 
 from optfuse import _rows
 from optfuse._leaves import is_float, is_float_aval
-from optfuse._row_buffers import Stack, row_at, row_loop, write_row
+from optfuse._row_buffers import Stack, read_slots, row_at, row_loop, write_row, write_stack
 from optfuse._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._sites import Site
 
@@ -113,50 +113,43 @@ class _ForwardLoop(NamedTuple):
   def index_of(self, k):
     return self.body.length - 1 - k if self.body.eqn.params["reverse"] else k
 
-  def fetch_slots(self, slot_stacks, index):
-    return tuple(None if u is None else tuple(row_at(t, index, a) for t in s)
-                 for s, u, a in zip(slot_stacks, self.pre, self.body.site.axes))
-
-  def pre_update(self, j: int, stacks: list, slot_stacks: list, slot_rows, index):
-    """Row ``index`` of leaf ``j``'s param, updated in place in ``stacks``/``slot_stacks``."""
+  def pre_update(self, j: int, stacks: list, slot_stacks: list, index):
+    """Row ``index`` of leaf ``j``'s param, updated in place in ``stacks``/``slot_stacks``
+    in ``_row_buffers``' order: the slot rows read after the gradient row, written after the
+    param row."""
     axis, (grads, _, operands) = self.body.site.axes[j], self.pre_in[j]
-    p_row, s_rows = self.pre[j].row_fn(row_at(grads, index, axis), row_at(stacks[j], index, axis),
-                                       list(slot_rows), operands, index)
-    p_row = p_row.astype(stacks[j].dtype)
-    stacks[j] = write_row(stacks[j], p_row, index, axis)
-    slot_stacks[j] = tuple(write_row(t, r, index, axis) for t, r in zip(slot_stacks[j], s_rows))
+    stack = Stack(stacks[j], slot_stacks[j], axis)
+    grad_row = row_at(grads, index, axis)
+    p_row, s_rows = self.pre[j].row_fn(grad_row, row_at(stack.param, index, axis),
+                                       read_slots(stack, index, grad_row), operands, index)
+    p_row = p_row.astype(stack.param.dtype)
+    stack = write_stack(stack, p_row, s_rows, index)
+    stacks[j], slot_stacks[j] = stack.param, stack.slots
     return p_row
 
   def run(self, pstacks, consts, carry, xs_other, residuals: Residuals | None):
     """``(carry, ys, saved residuals, carries, pre_out, param stacks)``; residuals are stacked
     (and the carries, if the backward needs them) only when ``residuals`` is given."""
     body, pre = self.body, self.pre
-    nk, length, save = body.eqn.params["num_carry"], body.length, residuals is not None
+    nk, save = body.eqn.params["num_carry"], residuals is not None
 
     def step(state, xo_rows):
-      k, c, stacks, slot_stacks, rows = state
+      k, c, stacks, slot_stacks = state
       index = self.index_of(k)
       stacks, slot_stacks, p_rows = list(stacks), list(slot_stacks), []
       for j, (u, axis) in enumerate(zip(pre, body.site.axes)):
         p_rows.append(row_at(pstacks[j], index, axis) if u is None
-                      else self.pre_update(j, stacks, slot_stacks, rows[j], index))
+                      else self.pre_update(j, stacks, slot_stacks, index))
       out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)
       saved = residuals_of(residuals, pullback, "saved") if save else []
-      # Prefetch the next slot rows from the buffers just written (``_row_buffers``): XLA
-      # recomputes a new slot row inside each of its consumers, so rows read in this iteration
-      # would be read again after the in-place write and XLA would copy the whole stack every
-      # iteration to keep them. The param row is read once, before its write.
-      rows = self.fetch_slots(slot_stacks, self.index_of(jnp.minimum(k + 1, length - 1)))
       carries = c if save and residuals.needs_carry else None
-      return (k + 1, out[:nk], tuple(stacks), tuple(slot_stacks), rows), (out[nk:], saved,
-                                                                        carries)
+      return (k + 1, out[:nk], tuple(stacks), tuple(slot_stacks)), (out[nk:], saved, carries)
 
     slot_stacks = tuple(u[1] if u is not None else () for u in self.pre_in)
     stacks = tuple(None if u is None else p for p, u in zip(pstacks, pre))
-    init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks,
-            self.fetch_slots(slot_stacks, self.index_of(0)))
-    (_, carry_out, stacks, slot_stacks, _), (ys, saved, carries) = lax.scan(
-        step, init, list(xs_other), length=length, reverse=body.eqn.params["reverse"],
+    init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks)
+    (_, carry_out, stacks, slot_stacks), (ys, saved, carries) = lax.scan(
+        step, init, list(xs_other), length=body.length, reverse=body.eqn.params["reverse"],
         unroll=body.eqn.params["unroll"])
     pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))
     new_pstacks = tuple(p if u is None else q for p, q, u in zip(pstacks, stacks, pre))
