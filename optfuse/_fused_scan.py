@@ -19,7 +19,7 @@ A stacked param may reach the scan through row-preserving operations (a dtype ca
 ``moveaxis``: its ``path``): they move into the loop body, so the body reads row ``l`` of the
 stored param along its stored axis, and the update runs on the stored row in the stored dtype.
 
-What the loop needs from a mode is the ``LoopUpdater`` protocol (``_backward.LeafUpdater``,
+What the loop needs from a mode is the ``LoopUpdater`` protocol (``_fused_step.LeafUpdater``,
 ``_two_pass._Updater``); this module imports nothing above it.
 """
 
