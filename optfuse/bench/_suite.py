@@ -291,6 +291,8 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
                  peak_ratio=row["peak_bytes"] / off["peak_bytes"], floor_bytes=floor,
                  peak_vs_floor=row["peak_bytes"] / floor, steps_timed=trainer.steps,
                  steps_per_run=timing.steps_per_run, final_loss=float(trainer.loss))
+    off["update_ms"] = 1e3 * _timing.update_time(
+        tx, _models.materialize(model.params, seed=0), suite.rounds, suite.min_run_s)
   return [rows[mode] for mode in modes]
 
 

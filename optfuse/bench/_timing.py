@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import optax
 
 from optfuse import _fuse, _memory
 
@@ -103,3 +105,37 @@ def interleaved(trainers: Mapping[str, Trainer], reference: str, rounds: int, wa
   return Timing({name: statistics.median(t) for name, t in times.items()},
                 {name: statistics.median(a / b for a, b in zip(t, ref, strict=True))
                  for name, t in times.items()}, steps)
+
+
+def update_time(tx, params, rounds: int, min_run_s: float) -> float:
+  """Median seconds of optax's update alone, ``tx.update`` and ``optax.apply_updates`` of a
+  gradient, jitted with params and state donated: the part of a step fusion can act on.
+
+  Args:
+    tx: the optax transformation.
+    params: the params (arrays).
+    rounds: timed runs.
+    min_run_s: a timed run lasts at least about this long.
+
+  Returns:
+    Seconds per update.
+  """
+  def update(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+  run = jax.jit(update, donate_argnums=(1, 2))
+  params = jax.tree.map(jnp.copy, params)
+  state = jax.jit(tx.init)(params)
+
+  def timed(steps: int) -> float:
+    nonlocal params, state
+    start = time.perf_counter()
+    for _ in range(steps):
+      params, state = run(grads, state, params)
+    jax.block_until_ready((params, state))
+    return (time.perf_counter() - start) / steps
+
+  steps = max(1, math.ceil(min_run_s / max(timed(1), 1e-9)))
+  return statistics.median(timed(steps) for _ in range(rounds))
