@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -43,10 +44,15 @@ def write_row(buf, row, index, axis: int = 0):
 
 def after(index, x):
   """``index``, as a value XLA computes only once ``x`` exists: reads and writes at it follow
-  ``x``. (``min(i, max(d, i)) == i`` for any integer ``d``, an identity XLA does not fold.)"""
-  if x is None or not jnp.size(x):
+  ``x``. (``min(i, max(d, i)) == i`` for any integer ``d``, an identity XLA does not fold.)
+
+  On several devices it is ``index`` itself (see ``ordered``): when ``x`` is sharded (FSDP)
+  the element it would read lives on one device, and reading it would add a scalar
+  collective per leaf and iteration to the loop.
+  """
+  if x is None or not jnp.size(x) or not ordered():
     return index
-  dep = jnp.ravel(x)[0].real.astype(jnp.int32)
+  dep = x[(0,) * jnp.ndim(x)].real.astype(jnp.int32)
   return jnp.minimum(index, jnp.maximum(dep, index))
 
 
@@ -69,6 +75,17 @@ def write_stack(stack: Stack, param_row, slot_rows, index) -> Stack:
   slots = tuple(s if r is None else write_row(s, r, at, stack.axis)
                 for s, r in zip(stack.slots, slot_rows or [None] * len(stack.slots)))
   return Stack(param, slots, stack.axis)
+
+
+def ordered() -> bool:
+  """Whether row loops order their reads with ``after`` (one device), or prefetch every row.
+
+  On several devices the dependency would add scalar collectives (``after``), and prefetching
+  the slot rows with the param rows keeps XLA from copying the sharded stacks (measured, FSDP
+  on 8 devices: the slot rows read unordered in the iteration peaked at 1.14x optax's memory
+  per device, prefetched at 1.00x).
+  """
+  return jax.device_count() == 1
 
 
 def read_slots(stack: Stack, index, x) -> list:
@@ -99,24 +116,26 @@ def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: Row
   Returns:
     ``(stacks, carry)`` after the last iteration.
   """
-  axes = [s.axis for s in stacks]
+  axes, order = [s.axis for s in stacks], ordered()
   # The loop carries the buffers; the axes stay static.
   restack = lambda buffers: [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)]
 
   def prefetch(stacks, index):
-    return [row_at(s.param, index, s.axis) for s in stacks]
+    return [(row_at(s.param, index, s.axis),
+             () if order else tuple(row_at(t, index, s.axis) for t in s.slots)) for s in stacks]
 
   def iteration(k, state):
-    buffers, param_rows, carry = state
+    buffers, rows, carry = state
     stacks, index = restack(buffers), index_of(k)
-    read = lambda j, x: read_slots(stacks[j], index, x)
-    new_rows, carry = body(k, index, param_rows, read, carry)
-    stacks = [write_stack(s, *rows, index) for s, rows in zip(stacks, new_rows)]
+    read = ((lambda j, x: read_slots(stacks[j], index, x)) if order
+            else (lambda j, x: list(rows[j][1])))
+    new_rows, carry = body(k, index, [p for p, _ in rows], read, carry)
+    stacks = [write_stack(s, *new, index) for s, new in zip(stacks, new_rows)]
     next_rows = prefetch(stacks, index_of(jnp.minimum(k + 1, length - 1)))
     return [(s.param, s.slots) for s in stacks], next_rows, carry
 
   stacks = list(stacks)
-  init = ([(s.param, s.slots) for s in stacks], prefetch(stacks, after(index_of(0), first)),
-          carry)
+  init = ([(s.param, s.slots) for s in stacks],
+          prefetch(stacks, after(index_of(0), first)), carry)
   buffers, _, carry = lax.fori_loop(0, length, iteration, init)
   return restack(buffers), carry
