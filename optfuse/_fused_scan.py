@@ -34,7 +34,14 @@ from jax.extend import core as jcore
 
 from optfuse import _rows
 from optfuse._leaves import is_float, is_float_aval
-from optfuse._row_buffers import Stack, read_slots, row_at, row_loop, write_row, write_stack
+from optfuse._row_buffers import (
+  Stack,
+  read_slots,
+  row_at,
+  row_loop,
+  write_row,
+  write_stack_rereading,
+)
 from optfuse._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._sites import Site
 
@@ -115,15 +122,15 @@ class _ForwardLoop(NamedTuple):
 
   def pre_update(self, j: int, stacks: list, slot_stacks: list, index):
     """Row ``index`` of leaf ``j``'s param, updated in place in ``stacks``/``slot_stacks``
-    in ``_row_buffers``' order: the slot rows read after the gradient row, written after the
-    param row."""
+    in ``_row_buffers``' order: the slot rows read after the gradient row for the param row,
+    then read again and written after the param row (``write_stack_rereading``)."""
     axis, (grads, _, operands) = self.body.site.axes[j], self.pre_in[j]
-    stack = Stack(stacks[j], slot_stacks[j], axis)
-    grad_row = row_at(grads, index, axis)
-    p_row, s_rows = self.pre[j].row_fn(grad_row, row_at(stack.param, index, axis),
-                                       read_slots(stack, index, grad_row), operands, index)
+    stack, row_fn = Stack(stacks[j], slot_stacks[j], axis), self.pre[j].row_fn
+    grad_row, param_row = row_at(grads, index, axis), row_at(stacks[j], index, axis)
+    p_row, _ = row_fn(grad_row, param_row, read_slots(stack, index, grad_row), operands, index)
     p_row = p_row.astype(stack.param.dtype)
-    stack = write_stack(stack, p_row, s_rows, index)
+    stack = write_stack_rereading(
+        stack, p_row, lambda rows: row_fn(grad_row, param_row, rows, operands, index)[1], index)
     stacks[j], slot_stacks[j] = stack.param, stack.slots
     return p_row
 
@@ -334,7 +341,7 @@ class _BackwardLoop(NamedTuple):
     stacks, (ct_c, ct_consts, ct_xo, accs) = row_loop(
         body.length, self.index_of, stacks,
         lambda k, index, rows, read, carry: self.iteration(index, rows, read, carry, stats),
-        carry, first)
+        carry, first, prefetch=updater.update_params)
     return ct_c, ct_consts, [s.param for s in stacks], [s.slots for s in stacks], ct_xo, accs
 
 

@@ -88,6 +88,24 @@ def ordered() -> bool:
   return jax.device_count() == 1
 
 
+def write_stack_rereading(stack: Stack, param_row, slot_fn: Callable, index) -> Stack:
+  """Writes a leaf's new param row at ``index``, then its slot rows ``slot_fn(old_rows)``,
+  computed from the old slot rows read again once the param row is written.
+
+  XLA's CPU fusion does not fuse the read of a slot row into the in-place write of its stack:
+  each old slot row is sliced into a buffer of its own. Read after the param row is written
+  (rather than once the gradient row exists, as ``write_stack``'s slot rows are), those buffers
+  are not alive while the new param row is (measured on an 8x256 scanned MLP with AdamW, the
+  forward loop of forward fusion: 0.99 MB of temporaries instead of 1.19 MB). ``slot_fn``
+  recomputes the new slots, which the param update computed already.
+  """
+  param = write_row(stack.param, param_row, index, stack.axis)
+  at = after(index, param)
+  new_rows = slot_fn([row_at(s, at, stack.axis) for s in stack.slots])
+  slots = tuple(write_row(s, r, at, stack.axis) for s, r in zip(stack.slots, new_rows))
+  return Stack(param, slots, stack.axis)
+
+
 def read_slots(stack: Stack, index, x) -> list:
   """A leaf's slot rows at ``index``, read once ``x`` exists."""
   at = after(index, x)
@@ -101,7 +119,7 @@ RowBody = Callable[[Any, Any, list, Callable, Any], tuple[Sequence, Any]]
 
 
 def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: RowBody, carry,
-             first=None) -> tuple[list[Stack], Any]:
+             first=None, prefetch: bool = True) -> tuple[list[Stack], Any]:
   """Runs ``body`` once per row, updating the ``stacks`` in place in the order above.
 
   Args:
@@ -112,30 +130,36 @@ def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: Row
     carry: the loop's other state.
     first: a value the first param rows are read after (the loop's first input), so that XLA
       does not slice them at the start of the step and hold them until the loop.
+    prefetch: ``False`` when the body writes no param row (``None`` param rows): each
+      iteration then reads its rows itself, as there is no write to order them after, and the
+      loop carries no row (a carried row is one more row alive and two row copies per
+      iteration; measured on the capture loop of forward fusion).
 
   Returns:
     ``(stacks, carry)`` after the last iteration.
   """
   axes, order = [s.axis for s in stacks], ordered()
+  carried = prefetch
   # The loop carries the buffers; the axes stay static.
   restack = lambda buffers: [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)]
 
-  def prefetch(stacks, index):
+  def rows_at(stacks, index):
     return [(row_at(s.param, index, s.axis),
              () if order else tuple(row_at(t, index, s.axis) for t in s.slots)) for s in stacks]
 
   def iteration(k, state):
     buffers, rows, carry = state
     stacks, index = restack(buffers), index_of(k)
+    rows = rows if carried else rows_at(stacks, index)
     read = ((lambda j, x: read_slots(stacks[j], index, x)) if order
             else (lambda j, x: list(rows[j][1])))
     new_rows, carry = body(k, index, [p for p, _ in rows], read, carry)
     stacks = [write_stack(s, *new, index) for s, new in zip(stacks, new_rows)]
-    next_rows = prefetch(stacks, index_of(jnp.minimum(k + 1, length - 1)))
+    next_rows = rows_at(stacks, index_of(jnp.minimum(k + 1, length - 1))) if carried else []
     return [(s.param, s.slots) for s in stacks], next_rows, carry
 
   stacks = list(stacks)
   init = ([(s.param, s.slots) for s in stacks],
-          prefetch(stacks, after(index_of(0), first)), carry)
+          rows_at(stacks, after(index_of(0), first)) if carried else [], carry)
   buffers, _, carry = lax.fori_loop(0, length, iteration, init)
   return restack(buffers), carry
