@@ -140,26 +140,28 @@ def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: Row
   """
   axes, order = [s.axis for s in stacks], ordered()
   carried = prefetch
-  # The loop carries the buffers; the axes stay static.
-  restack = lambda buffers: [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)]
 
-  def rows_at(stacks, index):
-    return [(row_at(s.param, index, s.axis),
-             () if order else tuple(row_at(t, index, s.axis) for t in s.slots)) for s in stacks]
+  def rows_at(params, slots, index):
+    return ([row_at(p, index, a) for p, a in zip(params, axes)],
+            [() if order else tuple(row_at(t, index, a) for t in ts)
+             for ts, a in zip(slots, axes)])
 
   def iteration(k, state):
-    buffers, rows, carry = state
-    stacks, index = restack(buffers), index_of(k)
-    rows = rows if carried else rows_at(stacks, index)
+    carry, params, slots, rows = state
+    stacks = [Stack(p, tuple(t), a) for p, t, a in zip(params, slots, axes)]
+    index = index_of(k)
+    rows = rows if carried else rows_at(params, slots, index)
     read = ((lambda j, x: read_slots(stacks[j], index, x)) if order
-            else (lambda j, x: list(rows[j][1])))
-    new_rows, carry = body(k, index, [p for p, _ in rows], read, carry)
+            else (lambda j, x: list(rows[1][j])))
+    new_rows, carry = body(k, index, rows[0], read, carry)
     stacks = [write_stack(s, *new, index) for s, new in zip(stacks, new_rows)]
-    next_rows = rows_at(stacks, index_of(jnp.minimum(k + 1, length - 1))) if carried else []
-    return [(s.param, s.slots) for s in stacks], next_rows, carry
+    params, slots = tuple(s.param for s in stacks), tuple(s.slots for s in stacks)
+    next_rows = (rows_at(params, slots, index_of(jnp.minimum(k + 1, length - 1))) if carried
+                 else ([], []))
+    return carry, params, slots, next_rows
 
-  stacks = list(stacks)
-  init = ([(s.param, s.slots) for s in stacks],
-          rows_at(stacks, after(index_of(0), first)) if carried else [], carry)
-  buffers, _, carry = lax.fori_loop(0, length, iteration, init)
-  return restack(buffers), carry
+  params, slots = tuple(s.param for s in stacks), tuple(tuple(s.slots) for s in stacks)
+  init = (carry, params, slots,
+          rows_at(params, slots, after(index_of(0), first)) if carried else ([], []))
+  carry, params, slots, _ = lax.fori_loop(0, length, iteration, init)
+  return [Stack(p, tuple(t), a) for p, t, a in zip(params, slots, axes)], carry

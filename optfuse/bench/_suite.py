@@ -256,7 +256,9 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
   """
   model, tx = cell.model, OPTIMIZERS[cell.optimizer]()
   base = {"section": "timing", "model": model.name, "description": model.description,
-          "optimizer": cell.optimizer, "grad_bytes": _models.grad_bytes(model.params)}
+          "optimizer": cell.optimizer, "grad_bytes": _models.grad_bytes(model.params),
+          "scanned": isinstance(model.params, dict)
+                     and isinstance(model.params.get("layers"), dict)}
   rows: dict[str, dict[str, Any]] = {}
   trainers: dict[str, _timing.Trainer] = {}
   batch = _models.materialize(model.batch, seed=1)
