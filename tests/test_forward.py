@@ -247,9 +247,9 @@ def test_forward_step_on_a_scanned_model_needs_about_optax_peak_memory(name):
   # temporary), so the new one must be written into its donated buffer, not into a fresh one
   # copied there afterwards, and stacked leaves are updated row by row inside the forward loop
   # (the clipped gradient, read by both of Adam's moments, would be a full temporary). Measured
-  # on CPU, peak: optax 42.7 MB (adamw) and 42.8 MB (clipping); forward 44.2 and 45.0 MB (a
-  # whole-leaf update: 50.2 and 57.5 MB). What is left is rows in flight in the two loops (the
-  # new and the prefetched param and slot rows): the bound is optax's peak plus 2.5 layers.
+  # on CPU, peak: optax 42.73 MB (adamw) and 42.80 MB (clipping); forward 43.65 and 44.44 MB (a
+  # whole-leaf update: 50.2 and 57.5 MB; before the rows were ordered, 44.2 and 45.0 MB). What
+  # is left is rows in flight in the two loops: the bound is optax's peak plus 2.5 layers.
   layers, dim = 8, 512
   params = models.abstract_stacked_params(layers, dim)
   tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
