@@ -54,13 +54,7 @@ class BackwardEngine:
           lambda loss, params, acc, args, kwargs, _: _fused_step.value_and_update(
               _split.make_plan(_accumulate.accumulator(), params, acc), loss, has_aux, params,
               acc, args, kwargs, update_params=False))
-
-    def step(params, state, *args, **kwargs):
-      _checks.check_params(params)
-      _checks.check_state(self.tx, params, state)
-      return inner(params, state, *args, **kwargs)
-
-    return step
+    return _checks.checked_step(self.tx, inner)
 
   def flush(self, params, state):
     return params, state

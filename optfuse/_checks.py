@@ -117,3 +117,14 @@ def check_loss(value, has_aux: bool):
         f"the loss must be a float scalar, got shape {shape} and dtype {dtype}; reduce it "
         "(e.g. with .mean()) and make it floating point.")
   return loss, aux
+
+
+def checked_step(tx: optax.GradientTransformation, inner):
+  """``inner`` behind the input checks of a step on a plain optax state: the params' leaves are
+  arrays (``check_params``) and the state is ``tx``'s for them (``check_state``)."""
+  def step(params, state, *args, **kwargs):
+    check_params(params)
+    check_state(tx, params, state)
+    return inner(params, state, *args, **kwargs)
+
+  return step

@@ -64,13 +64,7 @@ class OffEngine:
   def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
     inner = (_step(self.tx, loss_fn, has_aux) if microbatches == 1
              else _accumulate.optax_step(loss_fn, has_aux, microbatches, self.tx))
-
-    def step(params, state, *args, **kwargs):
-      _checks.check_params(params)
-      _checks.check_state(self.tx, params, state)
-      return inner(params, state, *args, **kwargs)
-
-    return step
+    return _checks.checked_step(self.tx, inner)
 
   def flush(self, params, state):
     return params, state
