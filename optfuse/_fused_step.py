@@ -77,23 +77,18 @@ class LeafUpdater:
 
   def finish(self, new_params: dict, new_slots: dict) -> tuple[list, list]:
     """Assembles the new flat params and state; leaves never fired get a zero gradient."""
-    plan = self.plan
-    params_out, state_out = list(self.params), list(self.state)
-    for i, group in enumerate(plan.groups):
+    params_out, slots_out = list(self.params), {}
+    for i in range(self.plan.num_params):
       if i in new_params:
-        params_out[i], slots = new_params[i], new_slots[i]
-      else:
-        p = self.params[i]
-        extra = None if self.extra is None else self.extra[i]
-        grad = jnp.zeros_like(p) if extra is None else extra.astype(jnp.result_type(p))
-        new_p, slots = self.apply(i, grad, p, self.slots(i), self.readonly(i))
-        params_out[i] = new_p if is_float(p) else p
-        slots = slots if is_float(p) else keep_int_state(slots, self.slots(i))
-      for k, s in zip(group.state_outs, slots):
-        state_out[k] = s
-    for k, s in zip(plan.shared_outs, plan.run_shared(self.state, self.params)):
-      state_out[k] = s
-    return params_out, state_out
+        params_out[i], slots_out[i] = new_params[i], new_slots[i]
+        continue
+      p = self.params[i]
+      extra = None if self.extra is None else self.extra[i]
+      grad = jnp.zeros_like(p) if extra is None else extra.astype(jnp.result_type(p))
+      new_p, slots = self.apply(i, grad, p, self.slots(i), self.readonly(i))
+      params_out[i] = new_p if is_float(p) else p
+      slots_out[i] = slots if is_float(p) else keep_int_state(slots, self.slots(i))
+    return params_out, self.plan.new_state(self.state, self.params, slots_out)
 
 
 def _make_tap(updater: LeafUpdater, i: int) -> Callable:
