@@ -3,8 +3,8 @@
 The step is ``_fused_step.value_and_update`` with the optimizer's separable plan
 (``_split.make_plan``, which refuses a transform whose update of one leaf reads the gradients of
 others): unstacked leaves through taps, stacked leaves of scans row by row inside their backward
-loops. With ``microbatches=k`` the first ``k - 1`` backward passes accumulate into the running
-sum and the last one fuses the update (``_accumulate.fused_step``).
+loops. With ``microbatches=k`` every backward pass adds its gradient to a running sum in place,
+and the update of the sum follows the loop over microbatches (``_accumulate.fused_step``).
 """
 
 from __future__ import annotations
@@ -36,24 +36,17 @@ class BackwardEngine:
     _checks.check_params(params)
     return self.tx.init(params)
 
-  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict,
-            extra_grads=None):
-    """One fused step, with ``extra_grads`` (earlier microbatches) added to every gradient."""
+  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict):
+    """One fused step."""
     return _fused_step.value_and_update(self.plans(params, state), loss_fn, has_aux, params,
-                                        state, args, kwargs, extra_grads)
+                                        state, args, kwargs)
 
   def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
     if microbatches == 1:
       inner = lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
                                                                 args, kwargs)
     else:
-      inner = _accumulate.fused_step(
-          loss_fn, has_aux, microbatches,
-          lambda loss, params, state, args, kwargs, extra: self.fused(loss, has_aux, params,
-                                                                      state, args, kwargs, extra),
-          lambda loss, params, acc, args, kwargs, _: _fused_step.value_and_update(
-              _split.make_plan(_accumulate.accumulator(), params, acc), loss, has_aux, params,
-              acc, args, kwargs, update_params=False))
+      inner = _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
     return _checks.checked_step(self.tx, inner)
 
   def flush(self, params, state):

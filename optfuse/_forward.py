@@ -24,8 +24,8 @@ backward loop (``_loops``), is written into the donated buffer of the pending gr
 update has just consumed. ``jax.grad`` would build it in a fresh buffer that XLA then copies into
 the donated one: one gradient more at the peak.
 
-With microbatches the first one applies the pending update and writes its gradient into the
-pending buffer; the others add theirs to it inside their backward passes (``_microbatch_step``).
+With microbatches the pending update is applied first, then each microbatch adds its gradient
+to the new pending buffer inside its backward pass, in one loop (``_microbatch_step``).
 
 ``flush`` applies the pending update without a forward pass (evaluation, checkpoints, the end of
 training); ``to_optax_state`` and ``from_optax_state`` convert to and from a plain optax state.
@@ -43,11 +43,12 @@ from jax import lax
 from jax.experimental.shard_alike import shard_alike
 
 from optfuse import _accumulate, _fused_step, _global, _leaves, _loops, _split
+from optfuse._apply import apply_update
 from optfuse._checks import check_params
 from optfuse._engine import Step
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
 from optfuse._plan import Plan, PlanCache
-from optfuse._row_buffers import Stack, row_at, row_loop
+from optfuse._row_buffers import value_after
 
 
 def apply_pending(plan: Plan, params, state: ForwardState,
@@ -56,7 +57,7 @@ def apply_pending(plan: Plan, params, state: ForwardState,
   """Applies the pending update, if any: ``(params, opt_state, cuts)``.
 
   The global stage runs once on all the pending gradients, then each leaf's share (row by row
-  in place for the stacked leaves of ``rows``, see ``_update_rows``), except for
+  in place for the stacked leaves of ``rows``, see ``_apply``), except for
   the leaves of ``deferred``, whose param and slots are returned as they are (their rows are
   updated inside the forward loop that reads them, from the ``cuts`` returned). When
   ``state.has_pending`` is false params and state are returned unchanged (and the cuts are
@@ -73,8 +74,8 @@ def apply_pending(plan: Plan, params, state: ForwardState,
 
   def apply(operands):
     grads, state_leaves, param_leaves = operands
-    new_params, new_state, cuts = _update(plan, grads, state_leaves, param_leaves, rows,
-                                          deferred, axes or {})
+    new_params, new_state, cuts = apply_update(plan, grads, state_leaves, param_leaves, rows,
+                                               deferred, axes)
     # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
     new_state = [jnp.asarray(new_state[k]).astype(jnp.result_type(state_leaves[k]))
                  for k in own_state]
@@ -100,84 +101,37 @@ def apply_pending(plan: Plan, params, state: ForwardState,
           jax.tree.unflatten(plan.state_def, new_state), cuts)
 
 
-def _update(plan: Plan, grads: list, state: list, params: list,
-            rows: frozenset[int], deferred: frozenset[int] = frozenset(), axes: dict | None = None
-            ) -> tuple[list, list, list]:
-  """Flat ``(new_params, new_state, cuts)``: ``plan.update`` and ``optax.apply_updates``,
-  where the leaves of ``rows`` are updated row by row in place (``_update_rows``) and the leaves
-  of ``deferred`` are left as they are."""
-  cuts, global_state = plan.run_global(grads, state, params)
-  new_params, slots = list(params), {}
-  for i in range(plan.num_params):
-    if i in deferred:
-      continue
-    p = params[i]
-    if i in rows:
-      new_params[i], slots[i] = _update_rows(plan, i, grads, state, params, cuts,
-                                             (axes or {}).get(i, 0))
-    else:
-      update, slots[i] = plan.run_group(i, grads[i], state, params, cuts)
-      new_params[i] = optax.apply_updates(p, update) if _leaves.is_float(p) else p
-  new_state = plan.new_state(state, params, slots, global_state)
-  return new_params, new_state, cuts
-
-
-def _update_rows(plan: Plan, i: int, grads, state, params, cuts, axis: int = 0
-                 ) -> tuple[Any, list]:
-  """Leaf ``i``'s new param and state slots, one row per iteration, written in place.
-
-  The whole update would build each full-size intermediate it cannot fuse into all its
-  consumers (the clipped gradient, read by both of Adam's moments); a row loop holds one row
-  of it. The buffers are updated in place.
-  """
-  group, length = plan.groups[i], jnp.shape(params[i])[axis]
-
-  def body(k, index, param_rows, read, carry):
-    del k
-    grad_row = row_at(grads[i], index, axis)
-    update, new_slots = plan.run_group_row(i, state, params, cuts,
-                                           (grad_row, param_rows[0], read(0, grad_row)), index,
-                                           length, axis)
-    return [(optax.apply_updates(param_rows[0], update), new_slots)], carry
-
-  stack = Stack(params[i], tuple(state[k] for k in group.state_outs), axis)
-  (stack,), _ = row_loop(length, lambda k: k, [stack], body, ())
-  return stack.param, list(stack.slots)
-
-
 def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
                      state: ForwardState, args: tuple, kwargs: dict, microbatches: int):
   """A forward-fused step over ``microbatches`` slices of the batch: ``(value, params, state)``.
 
-  The first microbatch runs the one-microbatch step: its forward pass applies the pending update
-  (inside the scan for stacked layers) and its backward pass writes its gradient into the
-  pending buffer. Each other microbatch then adds its gradient to that buffer inside its own
-  backward pass (a fused step of ``_accumulate.accumulator``). The loss is divided by
-  ``microbatches``, so the buffer ends with the mean gradient and the values sum to the mean
-  loss, as ``mode="off"`` computes them; the aux is stacked along a leading axis.
+  The pending update is applied first (row by row in place for stacked leaves), then every
+  microbatch adds its gradient to the new pending buffer inside its own backward pass
+  (``_accumulate.accumulate``), in one loop: the loss is compiled once, as in optax's
+  accumulation loop. The loss is divided by ``microbatches``, so the buffer ends with the mean
+  gradient and the values sum to the mean loss, as ``mode="off"`` computes them; the aux is
+  stacked along a leading axis.
   """
   k = microbatches
   scaled = _accumulate.scale_loss(loss_fn, has_aux, k)
-  mb_args, mb_kwargs = _accumulate.split(args, kwargs, k)
-  first_args, first_kwargs = _accumulate._index((mb_args, mb_kwargs), 0)
-  value, params, new_state = value_and_update(plan, scaled, has_aux, params, state, first_args,
-                                              first_kwargs)
-  acc = new_state.pending_grads
-  acc_plan = _split.make_plan(_accumulate.accumulator(), params, acc)
+  batches = _accumulate.split(args, kwargs, k)
+  loop_plan = _accumulate.analyze_loss(scaled, params, batches)
+  param_leaves = plan.params_def.flatten_up_to(params)
+  state_leaves = jax.tree.leaves(state.opt_state)
+  axes = loop_plan.stacked
+  rows = frozenset(i for i in axes if plan.rowwise(i, state_leaves, param_leaves, axis=axes[i]))
+  params, opt_state, _ = apply_pending(plan, params, state, rows, axes=axes)
 
   def body(acc, batch):
-    value, _, acc = _fused_step.value_and_update(acc_plan, scaled, has_aux, params, acc, *batch,
-                                               update_params=False)
+    value, acc = _accumulate.accumulate(scaled, has_aux, params, acc, *batch, loop_plan)
     return acc, value
 
-  rest = _accumulate._index((mb_args, mb_kwargs), slice(1, k))
-  acc, values = lax.scan(body, acc, rest)
-  stack = lambda x, xs: jnp.concatenate([x[None], xs])
-  if has_aux:
-    value = (value[0] + values[0].sum(), jax.tree.map(stack, value[1], values[1]))
-  else:
-    value = value + values.sum()
-  return value, params, _next_state(new_state.opt_state, acc, state.pending_grads)
+  # The new sum starts in the buffers of the pending gradient, once its update has read it.
+  zeros = jax.tree.map(lambda g, p: value_after(jnp.zeros_like(g), p, g), state.pending_grads,
+                       params)
+  acc, values = lax.scan(body, zeros, batches)
+  return (_accumulate.sum_value(values, has_aux), params,
+          _next_state(opt_state, acc, state.pending_grads))
 
 
 def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,

@@ -57,7 +57,6 @@ class LoopUpdater(Protocol):
   Attributes:
     update_params: whether the rows of the params are written (``False``: only the state's, for
       gradient accumulation).
-    extra: ``None`` or, per leaf, a stacked gradient added to each row (earlier microbatches).
     stage: ``"update"``, or ``"stats"`` in two-pass backward's first pass.
     fired: the leaves whose backward rule ran in this pass.
     pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).
@@ -66,7 +65,6 @@ class LoopUpdater(Protocol):
   """
 
   update_params: bool
-  extra: Any
   stage: str
   fired: set
   pre_updates: dict
@@ -205,7 +203,6 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   xs_other = [x for x, p in zip(xs_in, is_param_x) if not p]
   leaf_slots = tuple(slots[leaf] for leaf in site.leaves)
   readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
-  extras = tuple(None if updater.extra is None else updater.extra[leaf] for leaf in site.leaves)
   stat_in = tuple(updater.stat_inputs.get(leaf, ()) for leaf in site.leaves)
   pre = tuple(updater.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
@@ -213,30 +210,28 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   info: list[Residuals] = []
 
   @jax.custom_vjp
-  def fscan(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
-    del leaf_slots, readonly, extras, stat_in
+  def fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts, carry, xs_other):
+    del leaf_slots, readonly, stat_in
     loop = _ForwardLoop(body, pre, pre_in)
     carry_out, ys, _, _, pre_out, _ = loop.run(pstacks, consts, carry, xs_other, None)
     return (*carry_out, *ys), pre_out
 
-  def fwd(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts, carry, xs_other):
+  def fwd(pstacks, leaf_slots, readonly, pre_in, stat_in, consts, carry, xs_other):
     loop = _ForwardLoop(body, pre, pre_in)
     residuals, invariant = loop.probe(pstacks, list(consts), list(carry), list(xs_other))
     info.append(residuals)
     carry_out, ys, saved, carries, pre_out, pstacks = loop.run(pstacks, consts, carry, xs_other,
                                                                residuals)
-    res = (pstacks, leaf_slots, readonly, extras, stat_in, consts, carries, saved, invariant,
-           xs_other)
+    res = (pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant, xs_other)
     return ((*carry_out, *ys), pre_out), res
 
   def bwd(res, cts):
-    (pstacks, leaf_slots, readonly, extras, stat_in, consts, carries, saved, invariant,
-     xs_other) = res
+    pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant, xs_other = res
     for leaf in site.leaves:
       updater.fired.add(leaf)
     cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
     float_consts = split(consts, body.fc)[0]
-    loop = _BackwardLoop(body, updater, info[-1], leaf_slots, readonly, extras, float_consts,
+    loop = _BackwardLoop(body, updater, info[-1], leaf_slots, readonly, float_consts,
                          carries, saved, invariant, xs_other, list(cts[nk:]))
     stats = updater.stage == "stats"
     ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, list(cts[:nk]), stats)
@@ -245,13 +240,13 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
     if stats:  # the statistics leave as the cotangents of their zero inputs
       ct_stats = tuple(tuple(a.astype(z.dtype) for a, z in zip(acc, zeros))
                        for acc, zeros in zip(accs, stat_in))
-      return (None, None, None, None, None, ct_stats, ct_consts_full, ct_c, ct_xo_full)
-    return (tuple(stacks), tuple(state_stacks), None, None, None, None, ct_consts_full, ct_c,
+      return (None, None, None, None, ct_stats, ct_consts_full, ct_c, ct_xo_full)
+    return (tuple(stacks), tuple(state_stacks), None, None, None, ct_consts_full, ct_c,
             ct_xo_full)
 
   fscan.defvjp(fwd, bwd)
-  outs, pre_out = fscan(pstacks, leaf_slots, readonly, extras, pre_in, stat_in, consts_in,
-                        carry_in, xs_other)
+  outs, pre_out = fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts_in, carry_in,
+                        xs_other)
   for leaf, updated in zip(site.leaves, pre_out):
     if updated is not None:
       updater.pre_results[leaf] = updated
@@ -266,7 +261,6 @@ class _BackwardLoop(NamedTuple):
   residuals: Residuals
   leaf_slots: tuple
   readonly: tuple
-  extras: tuple
   float_consts: list
   carries: Any
   saved: list
@@ -305,8 +299,6 @@ class _BackwardLoop(NamedTuple):
     new_rows, accs = [], list(accs)
     for j, (leaf, axis) in enumerate(zip(site.leaves, site.axes)):
       g = g_params[j]
-      if self.extras[j] is not None:
-        g = g + row_at(self.extras[j], index, axis).astype(g.dtype)
       if stats:
         partials = updater.row_stats(leaf, g, index, length, axis)
         accs[j] = tuple(_rows.ROW_COMBINE[r].combine(a, v.astype(a.dtype))

@@ -38,12 +38,10 @@ class LeafUpdater:
   """
 
   def __init__(self, plan: Plan, state_leaves: list, param_leaves: list,
-               extra_grads: list | None = None, update_params: bool = True,
-               pre_updates: dict | None = None):
+               update_params: bool = True, pre_updates: dict | None = None):
     self.plan = plan
     self.state = state_leaves
     self.params = param_leaves
-    self.extra = extra_grads
     self.update_params = update_params
     self.fired: set[int] = set()
     self.pre_updates: dict[int, _loops.PreUpdate] = dict(pre_updates or {})
@@ -68,10 +66,8 @@ class LeafUpdater:
     state, params, _ = self.plan.readonly(i, self.state, self.params)
     return state, params
 
-  def apply(self, i: int, grad, param, slots, readonly, extra=None):
+  def apply(self, i: int, grad, param, slots, readonly):
     """New param and new state slots of leaf ``i`` from its complete gradient."""
-    if extra is not None:
-      grad = grad + extra.astype(grad.dtype)
     return self.plan.apply_leaf(i, grad, param, slots, *readonly,
                                 update_params=self.update_params)
 
@@ -83,27 +79,25 @@ class LeafUpdater:
         params_out[i], slots_out[i] = new_params[i], new_slots[i]
         continue
       p = self.params[i]
-      extra = None if self.extra is None else self.extra[i]
-      grad = jnp.zeros_like(p) if extra is None else extra.astype(jnp.result_type(p))
-      new_p, slots = self.apply(i, grad, p, self.slots(i), self.readonly(i))
+      new_p, slots = self.apply(i, jnp.zeros_like(p), p, self.slots(i), self.readonly(i))
       params_out[i] = new_p if is_float(p) else p
       slots_out[i] = slots if is_float(p) else keep_int_state(slots, self.slots(i))
     return params_out, self.plan.new_state(self.state, self.params, slots_out)
 
 
 def _make_tap(updater: LeafUpdater, i: int) -> Callable:
-  """Leaf ``i``'s tap: ``tap(param, (slots, readonly, extra))``, whose rule updates the leaf."""
+  """Leaf ``i``'s tap: ``tap(param, (slots, readonly))``, whose rule updates the leaf."""
   def rule(grad, param, operands):
-    slots, readonly, extra = operands
+    slots, readonly = operands
     updater.fired.add(i)
-    new_param, new_slots = updater.apply(i, grad, param, slots, readonly, extra)
-    return new_param, (new_slots, None, None)
+    new_param, new_slots = updater.apply(i, grad, param, slots, readonly)
+    return new_param, (new_slots, None)
 
   return make_tap(rule)
 
 
 def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict, extra_grads=None, update_params: bool = True,
+                     args: tuple, kwargs: dict, update_params: bool = True,
                      loop_plan: _loops.LoopPlan | None = None,
                      pre_updates: dict[int, _loops.PreUpdate] | None = None) -> tuple:
   """One backward-fused step: ``(value, new_params, new_state)``.
@@ -116,8 +110,6 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
     state: the optax state.
     args: positional arguments of ``loss_fn`` after params.
     kwargs: keyword arguments of ``loss_fn``.
-    extra_grads: optional tree like params, added to each leaf's gradient before its update
-      (the gradient accumulated over earlier microbatches).
     update_params: ``False`` leaves the params as they are and updates only the state (used to
       accumulate gradients into a state that holds their sum).
     loop_plan: ``_loops.analyze``'s plan for this loss and these params, if already made.
@@ -131,8 +123,7 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
   """
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
-  extra = None if extra_grads is None else plan.params_def.flatten_up_to(extra_grads)
-  updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), extra, update_params,
+  updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), update_params,
                         pre_updates)
   diff = [i for i, p in enumerate(param_leaves) if is_float(p)]
   if loop_plan is None:
@@ -143,8 +134,7 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
   def tapped_loss(diff_params, slots):
     leaves = list(param_leaves)
     for i in tapped_leaves:
-      leaves[i] = taps[i](diff_params[i], (slots[i], updater.readonly(i),
-                                           None if extra is None else extra[i]))
+      leaves[i] = taps[i](diff_params[i], (slots[i], updater.readonly(i)))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
     value = loop_plan.call(updater, leaves, slots, args, kwargs)

@@ -56,6 +56,23 @@ def after(index, x):
   return jnp.minimum(index, jnp.maximum(dep, index))
 
 
+def value_after(x, dep, other=None):
+  """``x``, as a value XLA computes only once ``dep`` exists (``x`` itself when ``dep`` has no
+  element).
+
+  It is ``where(pred, x, other)`` (``other`` defaults to zeros) for a ``pred`` computed from
+  ``dep`` that is always true: ``(bits | 1) != 0`` for the bits of ``dep``'s first element,
+  NaN included. An optimization barrier alone does not order them: XLA sees through it. With
+  ``other`` a buffer that is dead afterwards, XLA can write the result into it.
+  """
+  deps = [d for d in jax.tree.leaves(dep) if jnp.size(d)]
+  if not deps:
+    return x
+  first = jnp.ravel(deps[0])[0].astype(jnp.float32)
+  bits = lax.bitcast_convert_type(first, jnp.int32)
+  return jnp.where((bits | 1) != 0, x, jnp.zeros_like(x) if other is None else other)
+
+
 class Stack(NamedTuple):
   """One stacked leaf's buffers in a row loop: its param and its state slots, stacked along
   ``axis``."""

@@ -13,10 +13,9 @@ pullback twice. Each float leaf enters the loss through a tap (an identity with 
   group with the cuts and returns the new param and state leaves as cotangents.
 
 No gradient tree is ever materialised. With gradient accumulation (``microbatches=k``,
-``_accumulate.fused_step``) the step runs on the last microbatch with ``extra_grads``, the sum of
-the earlier microbatches' gradients: each rule adds it to its leaf's gradient before computing
-the statistics and again before the update, so the combine step and the groups see exactly the
-mean gradient optax's accumulation loop hands to ``tx.update``.
+``_accumulate.fused_step``) the sum of the microbatches' gradients is a buffer anyway: each
+backward pass adds to it in place, once, and the global stage then reads it directly, so
+there is no second pass.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from optfuse import _backward, _global, _leaves, _loops, _split
 from optfuse._checks import check_loss
 from optfuse._errors import NonSeparableError
 from optfuse._plan import Plan
+from optfuse._row_buffers import value_after
 from optfuse._tap import make_tap
 
 
@@ -75,12 +75,10 @@ class _Updater:
   with ``cuts``, the combined statistics).
   """
 
-  def __init__(self, plan: Plan, state_leaves: list, param_leaves: list,
-               extra: list | None):
+  def __init__(self, plan: Plan, state_leaves: list, param_leaves: list):
     self.plan = plan
     self.state = state_leaves
     self.params = param_leaves
-    self.extra = extra
     self.update_params = True
     self.pre_updates: dict = {}
     self.pre_results: dict = {}
@@ -106,30 +104,8 @@ class _Updater:
     return self.plan.run_stats_row(i, grad_row, self.state, self.params, index, length, axis)
 
 
-def _with_extra(grad, extra):
-  """The gradient optax sees: this pass's gradient plus the earlier microbatches' sum."""
-  return grad if extra is None else grad + extra.astype(grad.dtype)
-
-
-def _after(seed, cuts):
-  """``seed``, computed from ``cuts`` so that the second backward pass cannot start before them.
-
-  Without it XLA runs the two backward passes side by side (the second one's cotangents depend
-  on nothing the first computes) and keeps each weight gradient of the second pass alive until
-  the global statistics are known: optax's memory, not backward fusion's. An optimization barrier
-  alone does not order them: XLA sees through it to the constant seed. ``(bits | 1) != 0`` is
-  always true, whatever the cut's value (NaN included), so the seed is exactly itself.
-  """
-  cuts = [c for c in cuts if jnp.size(c)]
-  if not cuts:
-    return seed
-  first = jnp.ravel(cuts[0])[0].astype(jnp.float32)
-  bits = jax.lax.bitcast_convert_type(first, jnp.int32)
-  return jnp.where((bits | 1) != 0, seed, jnp.zeros_like(seed))
-
-
 def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict, extra_grads=None) -> tuple[Any, Any, Any]:
+                     args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
   """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
 
   Args:
@@ -140,18 +116,14 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
     state: the optax state.
     args: positional arguments of ``loss_fn`` after params.
     kwargs: keyword arguments of ``loss_fn``.
-    extra_grads: optional tree like params, added to each leaf's gradient before its statistics
-      and its update (the gradient accumulated over earlier microbatches); a leaf whose tap never
-      fires sees it alone.
 
   Returns:
     ``(value, params, state)`` where value is the loss, or ``(loss, aux)`` with ``has_aux``.
   """
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
-  extra = None if extra_grads is None else plan.params_def.flatten_up_to(extra_grads)
   diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
-  updater = _Updater(plan, state_leaves, param_leaves, extra)
+  updater = _Updater(plan, state_leaves, param_leaves)
   # A scanned leaf is updated inside the backward loop when its rows can be reduced to its
   # statistics one at a time and updated one at a time; otherwise it gets a tap.
   loop_plan = _loops.analyze(loss_fn, plan, params, state_leaves, args, kwargs, diff,
@@ -162,26 +134,23 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
     return tuple(state_leaves[k] for k in plan.groups[i].state_outs)
 
   def unfired_grad(i):
-    # A leaf the loss does not read (or a non-float one): optax sees a zero gradient plus the
-    # earlier microbatches' sum, which is zero for it too unless an earlier microbatch read it.
-    p = param_leaves[i]
-    return jnp.zeros_like(p) if extra is None else extra[i].astype(jnp.result_type(p))
+    # A leaf the loss does not read (or a non-float one): optax sees a zero gradient.
+    return jnp.zeros_like(param_leaves[i])
 
   def apply(i, grad, param, slots, cuts):
     return plan.apply_leaf(i, grad, param, slots, state_leaves, param_leaves, cuts)
 
   def tap_rule(i):
     def rule(grad, param, operands):
-      slots, _, extra = operands
-      grad = _with_extra(grad, extra)
+      slots, _ = operands
       updater.fired.add(i)
       if updater.stage == "stats":
         params_in = list(param_leaves)
         params_in[i] = param
         stats = plan.run_stats(i, grad, state_leaves, params_in)
-        return None, (None, tuple(_carry(s) for s in stats), None)
+        return None, (None, tuple(_carry(s) for s in stats))
       new_param, new_slots = apply(i, grad, param, slots, updater.cuts)
-      return new_param, (new_slots, None, None)
+      return new_param, (new_slots, None)
 
     return rule
 
@@ -191,8 +160,7 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
   def tapped_loss(diff_params, slots, stat_zeros):
     leaves = list(param_leaves)
     for i in tapped_leaves:
-      leaves[i] = taps[i](diff_params[i], (slots[i], stat_zeros[i],
-                                           None if extra is None else extra[i]))
+      leaves[i] = taps[i](diff_params[i], (slots[i], stat_zeros[i]))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
     updater.stat_inputs = stat_zeros
@@ -215,7 +183,10 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
       else:
         stats.append(plan.run_stats(i, unfired_grad(i), state_leaves, param_leaves))
     cuts, global_state = plan.run_combine(stats, state_leaves, param_leaves)
-    seed = _after(seed, cuts)
+    # Without the order XLA runs the two backward passes side by side (the second one's
+    # cotangents depend on nothing the first computes) and keeps each weight gradient of the
+    # second pass alive until the global statistics are known: optax's memory.
+    seed = value_after(seed, cuts)
   updater.stage, updater.cuts = "update", cuts
   new_params, new_slots, _ = pullback(seed)
   fired = updater.fired_in["update"]
@@ -256,9 +227,8 @@ class TwoPassEngine(_backward.BackwardEngine):
   def make_plan(self, params, state) -> Plan:
     return make_plan(self.tx, params, state)
 
-  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict,
-            extra_grads=None):
+  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict):
     plan = self.plans(params, state)
     if plan.is_separable:
-      return super().fused(loss_fn, has_aux, params, state, args, kwargs, extra_grads)
-    return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, extra_grads)
+      return super().fused(loss_fn, has_aux, params, state, args, kwargs)
+    return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs)

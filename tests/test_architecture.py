@@ -17,7 +17,7 @@ LAYERS = [
     ["__init__", "_fuse", "_describe", "_memory", "_fit", "_train_step", "linen", "nnx"],
     ["_engine", "_off", "_backward", "_two_pass", "_forward", "_forward_state"],
     ["_fused_step", "_tap", "_loops", "_sites", "_fused_scan", "_scan_body", "_row_buffers",
-     "_accumulate"],
+     "_accumulate", "_apply"],
     ["_plan", "_split", "_global"],
     ["_jaxpr", "_rows", "_row_rules"],
     ["_checks", "_leaves", "_errors"],

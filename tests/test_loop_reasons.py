@@ -117,9 +117,10 @@ def _unrolled_loss(p, x, y):
   return _head(p, h, y)
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("model", ["scanned", "unrolled"])
 @pytest.mark.parametrize("mode", ["off", "backward", "forward", "two_pass"])
-def test_the_loss_is_called_once_per_compiled_step(mode, model):
+def test_the_loss_is_called_once_per_compiled_step(mode, model, microbatches):
   loss, calls = _counting(scan_loss if model == "scanned" else _unrolled_loss)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
   if mode == "backward":
@@ -127,5 +128,6 @@ def test_the_loss_is_called_once_per_compiled_step(mode, model):
   fx = optfuse.fuse(tx, mode="backward" if mode == "two_pass" else mode,
                     global_ops="two_pass" if mode == "two_pass" else None)
   params = _init(jax.random.PRNGKey(0), layers=6)
-  jax.jit(fx.value_and_update(loss)).lower(params, fx.init(params), *_batch())
+  step = fx.value_and_update(loss, microbatches=microbatches)
+  jax.jit(step).lower(params, fx.init(params), *_batch())
   assert len(calls) == 1

@@ -250,24 +250,6 @@ def test_two_pass_with_microbatches_of_unrolled_and_scanned_models_matches_optax
   chex.assert_trees_all_close(got, expected, **ACC_TOL)
 
 
-def test_two_pass_step_adds_extra_grads_to_every_leaf_like_optax():
-  tx = ACCUMULATE["clip_by_global_norm+adamw"]()
-  params, batch = models.tied_lm_params(), models.tied_lm_batches()[0]
-  state = tx.init(params)
-  keys = iter(jax.random.split(jax.random.PRNGKey(11), len(jax.tree.leaves(params))))
-  # Nonzero on "unused" too: a leaf whose tap never fires must still see the extra gradient.
-  extra = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
-  plan = _two_pass.make_plan(tx, params, state)
-  got = _two_pass.value_and_update(plan, models.tied_lm_loss, False, params, state, batch, {},
-                                   extra)
-  loss, grads = jax.value_and_grad(models.tied_lm_loss)(params, *batch)
-  updates, new_state = tx.update(jax.tree.map(jnp.add, grads, extra), state, params)
-  # One step in float32: a few ulps apart at most.
-  chex.assert_trees_all_close(got, (loss, optax.apply_updates(params, updates), new_state),
-                              rtol=1e-6, atol=1e-6)
-  assert not np.allclose(got[1]["unused"], params["unused"])
-
-
 def test_two_pass_accumulation_holds_the_accumulator_not_a_second_gradient_tree():
   layers, width = 16, 256
   params = {f"w{i}": jax.ShapeDtypeStruct((width, width), jnp.float32) for i in range(layers)}

@@ -1,0 +1,91 @@
+"""Applying an update once the whole gradient exists: leaf by leaf, stacked leaves row by row.
+
+Forward fusion applies the pending gradient at the start of the next step, and gradient
+accumulation applies the sum of the microbatches' gradients after the loop over them: in both
+the gradient is a buffer, and the update runs outside any backward pass. Two formulations keep
+its temporaries to one leaf's (or one row's):
+
+* the leaves of ``rows`` (stacked layers) are updated one row per iteration of a loop, in place:
+  the whole update would build each full-size intermediate it cannot fuse into all its
+  consumers (the clipped gradient, read by both of Adam's moments); a row loop holds one row.
+* with a global stage (clipping), the other leaves are updated one after the other: each
+  leaf's update reads its gradient only once the previous leaf's new param exists
+  (``value_after``). XLA would otherwise run each stage of the update (the clipping, the
+  moments, the step) over every leaf before the next, holding a whole tree of its temporaries
+  (measured, a 16-layer 256x256 MLP with clipping and AdamW over 4 microbatches: 8.39 MB of
+  temporaries unordered, 4.61 MB ordered with two-pass and 0.42 MB in forward mode). A
+  separable update runs leaf by leaf anyway: on the bench's models the order changed no peak
+  and cost up to 0.1 s of compile time. A row loop's gradient is not ordered: the ordered copy
+  would be a full-size buffer the loop reads (measured: 22.16 MB instead of 18.28 MB for 16
+  stacked 256x256 layers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from optfuse._leaves import is_float, keep_int_state
+from optfuse._plan import Plan
+from optfuse._row_buffers import Stack, row_at, row_loop, value_after
+
+
+def apply_update(plan: Plan, grads: list, state: list, params: list,
+                 rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
+                 axes: dict | None = None) -> tuple[list, list, list]:
+  """The plan's update of flat ``params`` and ``state`` from the flat ``grads``, applied.
+
+  Args:
+    plan: the plan of the optimizer for these params and state.
+    grads: the flat gradient, one leaf per param leaf.
+    state: the flat optimizer state.
+    params: the flat params.
+    rows: leaves updated row by row in place (``update_rows``), along ``axes[i]``.
+    deferred: leaves left as they are (their param and slots come back unchanged).
+    axes: leaf -> the axis its rows are stacked along (default 0).
+
+  Returns:
+    ``(new_params, new_state, cuts)``: flat, with the cuts of the plan's global stage.
+    Non-float params are kept, with their integer slots.
+  """
+  cuts, global_state = plan.run_global(grads, state, params)
+  new_params, slots, previous = list(params), {}, None
+  for i, p in enumerate(params):
+    if i in deferred:
+      continue
+    if i in rows:
+      new_params[i], slots[i] = update_rows(plan, i, grads[i], state, params, cuts,
+                                            (axes or {}).get(i, 0))
+    else:
+      ordered = previous is not None and not plan.is_separable
+      grad = value_after(grads[i], previous) if ordered else grads[i]
+      update, slots[i] = plan.run_group(i, grad, state, params, cuts)
+      if is_float(p):
+        new_params[i] = optax.apply_updates(p, update)
+    if is_float(p):
+      previous = new_params[i]
+    else:
+      old = tuple(state[k] for k in plan.groups[i].state_outs)
+      slots[i] = keep_int_state(tuple(slots[i]), old)
+  return new_params, plan.new_state(state, params, slots, global_state), cuts
+
+
+def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
+                axis: int = 0) -> tuple[Any, list]:
+  """Leaf ``i``'s new param and state slots from its gradient ``grad``, one row per iteration,
+  written in place."""
+  group, length = plan.groups[i], jnp.shape(params[i])[axis]
+
+  def body(k, index, param_rows, read, carry):
+    del k
+    grad_row = row_at(grad, index, axis)
+    update, new_slots = plan.run_group_row(i, state, params, cuts,
+                                           (grad_row, param_rows[0], read(0, grad_row)), index,
+                                           length, axis)
+    return [(optax.apply_updates(param_rows[0], update), new_slots)], carry
+
+  stack = Stack(params[i], tuple(state[k] for k in group.state_outs), axis)
+  (stack,), _ = row_loop(length, lambda k: k, [stack], body, ())
+  return stack.param, list(stack.slots)
