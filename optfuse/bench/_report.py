@@ -173,7 +173,9 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += _section(
         "### Step time, compile time and compiled peak memory, fused vs optax (mode `off`)",
         "Step: median time per step over interleaved runs after warm-up. Time vs optax: median "
-        "over the rounds of the ratio of back-to-back runs. Compile: trace, lower and compile.",
+        "over the rounds of the ratio of back-to-back runs. Compile: trace, lower and compile, "
+        "the median of interleaved compiles when the suite makes several (the quick suite 3), "
+        "and its ratio the median over rounds.",
         _TIMING_COLUMNS, timing)
   memory = [r for r in rows if r["section"] == "memory"]
   if memory:

@@ -95,6 +95,8 @@ class Suite(NamedTuple):
     rounds: interleaved timed runs per mode.
     warmup: untimed steps per mode after compiling.
     min_run_s: the least duration of one timed run.
+    compile_rounds: interleaved compiles per mode; the compile time is their median, and the
+      compile ratio the median over rounds of the ratio to optax's compile in the same round.
   """
 
   name: str
@@ -103,6 +105,7 @@ class Suite(NamedTuple):
   rounds: int
   warmup: int
   min_run_s: float
+  compile_rounds: int = 1
 
 
 SEPARABLE = ("sgd_momentum", "adamw", "lion", "adafactor")
@@ -155,7 +158,7 @@ def quick_suite() -> Suite:
   scan_mlp = _models.scan_mlp(depth=8, width=256, inputs=128, batch=64)
   cells = _grid(models, ["adamw"]) + _grid([scan_mlp], ["adamw", "clip_adamw"])
   return Suite("quick", tuple(cells), _large_decoders()[:1], rounds=11, warmup=2,
-               min_run_s=0.015)
+               min_run_s=0.015, compile_rounds=3)
 
 
 # The scanned-model forms of ``_forms`` at the size the loop-fusion issue measured them.
@@ -190,7 +193,8 @@ def loops_suite() -> Suite:
   """The loop-fusion issue's timing target: an 8-layer, d=256 scanned decoder with AdamW."""
   models = [_models.decoder(MEDIUM, scanned=True, remat=True),
             _models.decoder(MEDIUM, scanned=True, remat=False)]
-  return Suite("loops", tuple(_grid(models, ["adamw"])), (), rounds=15, warmup=3, min_run_s=0.05)
+  return Suite("loops", tuple(_grid(models, ["adamw"])), (), rounds=15, warmup=3, min_run_s=0.05,
+               compile_rounds=3)
 
 
 def full_suite() -> Suite:
@@ -207,7 +211,8 @@ def full_suite() -> Suite:
   ]
   cells = _grid(models, SEPARABLE) + [Cell(m, "clip_adamw") for m in models]
   cells.append(gpt_suite().cells[0])
-  return Suite("full", tuple(cells), _large_decoders(), rounds=7, warmup=2, min_run_s=0.2)
+  return Suite("full", tuple(cells), _large_decoders(), rounds=7, warmup=2, min_run_s=0.2,
+               compile_rounds=3)
 
 
 SUITES = {"smoke": smoke_suite, "quick": quick_suite, "memory": memory_suite,
@@ -261,6 +266,7 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
                      and isinstance(model.params.get("layers"), dict)}
   rows: dict[str, dict[str, Any]] = {}
   trainers: dict[str, _timing.Trainer] = {}
+  compilers: dict[str, Callable[[], float]] = {}
   batch = _models.materialize(model.batch, seed=1)
   modes = modes_for(cell.optimizer)
   for mode in (*modes[1:], modes[0]):
@@ -282,14 +288,19 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
       continue
     row.update(_memory.compiled_memory(compiled))
     trainers[mode] = _timing.Trainer(compiled, params, state, batch)
+    compilers[mode] = lambda fx=fx, params=params: _timing.compile_step(
+        fx, model.loss, params, batch, **model.step_options)[1]
   if "off" in trainers:
+    compile_s, compile_ratio = _timing.interleaved_compiles(
+        compilers, {mode: rows[mode]["compile_s"] for mode in compilers}, "off",
+        suite.compile_rounds)
     timing = _timing.interleaved(trainers, "off", suite.rounds, suite.warmup, suite.min_run_s)
     off = rows["off"]
     floor = floor_bytes(model, model.params, off)
     for mode, trainer in trainers.items():
       row = rows[mode]
       row.update(step_ms=timing.step_s[mode] * 1e3, time_ratio=timing.ratio[mode],
-                 compile_ratio=row["compile_s"] / off["compile_s"],
+                 compile_s=compile_s[mode], compile_ratio=compile_ratio[mode],
                  peak_ratio=row["peak_bytes"] / off["peak_bytes"], floor_bytes=floor,
                  peak_vs_floor=row["peak_bytes"] / floor, steps_timed=trainer.steps,
                  steps_per_run=timing.steps_per_run, final_loss=float(trainer.loss))

@@ -107,6 +107,33 @@ def interleaved(trainers: Mapping[str, Trainer], reference: str, rounds: int, wa
                  for name, t in times.items()}, steps)
 
 
+def interleaved_compiles(compile_fns: Mapping[str, Callable[[], float]],
+                         first: Mapping[str, float], reference: str, rounds: int
+                         ) -> tuple[dict[str, float], dict[str, float]]:
+  """Compile times of several steps, compiled in interleaved rounds.
+
+  Args:
+    compile_fns: name -> a function that compiles the step afresh and returns its seconds.
+    first: name -> the seconds of a compile already made (the first round).
+    reference: the step the ratios divide by.
+    rounds: rounds in all, the first included; later rounds alternate the order.
+
+  Returns:
+    ``(seconds, ratio)``: name -> the median compile time, and name -> the median over rounds of
+    its ratio to the reference's compile in the same round. The first compile in a process
+    also pays one-off costs (JAX's and XLA's caches); the median drops it.
+  """
+  times = {name: [first[name]] for name in compile_fns}
+  names = list(compile_fns)
+  for r in range(1, rounds):
+    for name in reversed(names) if r % 2 else names:
+      times[name].append(compile_fns[name]())
+  ref = times[reference]
+  return ({name: statistics.median(t) for name, t in times.items()},
+          {name: statistics.median(a / b for a, b in zip(t, ref, strict=True))
+           for name, t in times.items()})
+
+
 def update_time(tx, params, rounds: int, min_run_s: float) -> float:
   """Median seconds of optax's update alone, ``tx.update`` and ``optax.apply_updates`` of a
   gradient, jitted with params and state donated: the part of a step fusion can act on.
