@@ -27,7 +27,7 @@ from jax import lax
 from optfuse import _fused_step, _loops, _split
 from optfuse._apply import apply_update
 from optfuse._errors import MicrobatchError
-from optfuse._leaves import is_float
+from optfuse._leaves import is_float, keep_int_state
 from optfuse._plan import Plan
 
 
@@ -194,10 +194,12 @@ def sum_value(values, has_aux: bool):
 
 
 def _apply(tx: optax.GradientTransformation, grads, state, params) -> tuple[Any, Any]:
-  """``tx``'s update of ``params`` from ``grads``; non-float params are kept as they are."""
-  updates, state = tx.update(grads, state, params)
+  """``tx``'s update of ``params`` from ``grads``; non-float params are kept as they are, and
+  so are their integer slots (optax would promote them to float)."""
+  updates, new_state = tx.update(grads, state, params)
   new = optax.apply_updates(params, updates)
-  return jax.tree.map(lambda p, n: n if is_float(p) else p, params, new), state
+  return (jax.tree.map(lambda p, n: n if is_float(p) else p, params, new),
+          keep_int_state(new_state, state))
 
 
 def optax_step(loss_fn: Callable, has_aux: bool, microbatches: int, tx):

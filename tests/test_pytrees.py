@@ -240,3 +240,29 @@ def test_state_signature_is_stable_with_integer_params(mode):
   body = lambda carry, _: (step(*carry, x, y)[1:], None)
   (params_out, state_out), _ = jax.lax.scan(body, (params, fx.init(params)), None, length=3)
   chex.assert_trees_all_equal_dtypes((params_out, state_out), (params, fx.init(params)))
+
+
+def _int_microbatch_loss(params, x, y):
+  out = (x @ params["w"] + params["b"])[:, params["columns"]]
+  return jnp.mean((jnp.where(params["active"], out, 0.0) - y) ** 2)
+
+
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_integer_and_bool_params_with_microbatches_train_like_off_and_keep_their_slots(mode):
+  # With microbatches the update runs once after the loop over them (``_apply``): integer
+  # leaves are carried, their slots kept as tx.init made them, and steps chain in a scan.
+  # (Optax's clipping cannot take integer gradients, so the optimizer is adam alone.)
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(9), 3)
+  params = {"w": jax.random.normal(k1, (4, 3)), "b": jnp.zeros(3),
+            "columns": jnp.array([2, 0, 1], jnp.int32), "active": jnp.array([True, False, True])}
+  x, y = jax.random.normal(k2, (8, 4)), jax.random.normal(k3, (8, 3))
+  runs = {}
+  for name in ("off", mode):
+    fx = optfuse.fuse(optax.adam(1e-2), mode=name)
+    step = fx.value_and_update(_int_microbatch_loss, microbatches=2)
+    body = lambda carry, _, step=step: (step(*carry, x, y)[1:], None)
+    (p, s), _ = jax.lax.scan(body, (params, fx.init(params)), None, length=5)
+    chex.assert_trees_all_equal_dtypes((p, s), (params, fx.init(params)))
+    runs[name] = optfuse.to_optax_state(fx, p, s) if name == "forward" else (p, s)
+  chex.assert_trees_all_close(runs[mode], runs["off"], rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_equal(_split(runs[mode][0])[1], _split(params)[1])
