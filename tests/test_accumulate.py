@@ -107,10 +107,9 @@ def test_accumulation_fused_inside_the_layer_loop_saves_a_gradient_buffer():
 
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
 def test_accumulating_an_unrolled_mlp_never_peaks_above_optax(k):
-  # The bench's grad_accum model, small. Fusing the update into the last microbatch's backward
-  # pass peaked above optax from k=3: its forward ran before the loop over the others, and
-  # then (once it ran after) a loop counter and a broadcast constant of its backward pass that
-  # XLA computed before the loop cost 136 bytes more.
+  # The bench's grad_accum model, small: one loop over every microbatch, then the update, as
+  # optax's loop does. (Fusing the update into the last microbatch's backward pass peaked above
+  # optax from k=3 until XLA was kept from starting that microbatch before the loop.)
   model = _models.grad_accum(micro=k, depth=4, width=64, inputs=32, batch=8)
   params, batch = _models.abstract(model.params), _models.abstract(model.batch)
   peaks = {mode: models.compiled_peak(optfuse.fuse(optax.adamw(1e-3, weight_decay=0.1), mode),
