@@ -147,11 +147,12 @@ def _update_share(rows: Sequence[dict[str, Any]]) -> list[str]:
                f"{off['update_ms'] / off['step_ms']:.0%} of optax's step; the gradient's write "
                f"and read (2 of its 7 passes over the params) are about {floor:.1f} ms "
                f"({floor / off['step_ms']:.1%} of the step), the most fusion saves on CPU; "
-               f"backward fusion's step took {-saved:+.1f} ms against optax's ("
+               f"backward fusion's step was {abs(saved):.1f} ms "
+               f"{'faster' if saved >= 0 else 'slower'} than optax's ("
                + (f"{saved / floor:.0%} of that floor" if saved <= floor else
                   f"{saved / floor:.1f} times that floor: the rest comes from how XLA compiles "
                   "the two steps, not from the update's memory traffic")
-               + "; within the run-to-run spread it is parity)")
+               + "; a difference within the run-to-run spread is parity)")
   return out
 
 
