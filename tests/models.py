@@ -185,3 +185,21 @@ def compiled_peak(fx, loss_fn: Callable, params, *args, **step_kwargs) -> int:
   stats = compiled_memory(fx, loss_fn, params, *args, **step_kwargs)
   return (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
           - stats.alias_size_in_bytes)
+
+
+RESIDUAL_LAYERS, RESIDUAL_DIM = 16, 256
+
+
+def residual_stack_specs(layers: int = RESIDUAL_LAYERS, dim: int = RESIDUAL_DIM,
+                         batch: int = 64) -> tuple[dict, tuple]:
+  """Compile-only ``(params, (x, y))`` specs of ``residual_stack_loss``: ``layers`` stacked
+  ``dim``x``dim`` residual layers with biases, and a linear head."""
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  params = {"w": spec(layers, dim, dim), "b": spec(layers, dim), "out": spec(dim, 1)}
+  return params, (spec(batch, dim), spec(batch, 1))
+
+
+def residual_stack_loss(p, x, y):
+  body = lambda h, layer: (h + jnp.tanh(h @ layer[0] + layer[1]), None)
+  h, _ = jax.lax.scan(body, x, (p["w"], p["b"]))
+  return jnp.mean((h @ p["out"] - y) ** 2)

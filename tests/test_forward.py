@@ -119,19 +119,11 @@ def test_forward_fusion_with_microbatches_accumulates_into_the_pending_buffer():
   # Compile-only: 16 stacked 256x256 layers, 4 microbatches. Optax's accumulation loop holds the
   # accumulator and each microbatch's gradient; forward fusion adds each gradient row into the
   # pending buffer it already holds. Measured on CPU: optax 22.24 MB, forward 18.28 MB.
-  layers, dim = 16, 256
-  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  params = {"w": spec(layers, dim, dim), "b": spec(layers, dim), "out": spec(dim, 1)}
-
-  def loss(p, x, y):
-    body = lambda h, layer: (h + jnp.tanh(h @ layer[0] + layer[1]), None)
-    h, _ = jax.lax.scan(body, x, (p["w"], p["b"]))
-    return jnp.mean((h @ p["out"] - y) ** 2)
-
+  params, batch = models.residual_stack_specs()
   peaks = {mode: models.compiled_peak(
-      optfuse.fuse(OPTIMIZERS["clip_by_global_norm+adamw"](), mode=mode), loss, params,
-      spec(64, dim), spec(64, 1), microbatches=4) for mode in ("off", "forward")}
-  stack_bytes = layers * dim * dim * 4
+      optfuse.fuse(OPTIMIZERS["clip_by_global_norm+adamw"](), mode=mode),
+      models.residual_stack_loss, params, *batch, microbatches=4) for mode in ("off", "forward")}
+  stack_bytes = models.RESIDUAL_LAYERS * models.RESIDUAL_DIM ** 2 * 4
   assert peaks["forward"] <= peaks["off"] - stack_bytes / 2
 
 

@@ -279,19 +279,11 @@ def test_two_pass_accumulation_updates_stacked_layers_row_by_row_after_the_loop(
   # Compile-only: 16 stacked 256x256 layers, clipping + AdamW, 4 microbatches. The clipped
   # update of a whole stacked leaf would hold a full-size temporary (21.09 MB measured); row by
   # row it holds one row. Measured on CPU: optax 22.24 MB, two-pass 18.54 MB.
-  layers, dim = 16, 256
-  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  params = {"w": spec(layers, dim, dim), "b": spec(layers, dim), "out": spec(dim, 1)}
-
-  def loss(p, x, y):
-    body = lambda h, layer: (h + jnp.tanh(h @ layer[0] + layer[1]), None)
-    h, _ = jax.lax.scan(body, x, (p["w"], p["b"]))
-    return jnp.mean((h @ p["out"] - y) ** 2)
-
+  params, batch = models.residual_stack_specs()
   peaks = {name: models.compiled_peak(
-      optfuse.fuse(ACCUMULATE["clip_by_global_norm+adamw"](), **options), loss, params,
-      spec(64, dim), spec(64, 1), microbatches=4)
+      optfuse.fuse(ACCUMULATE["clip_by_global_norm+adamw"](), **options),
+      models.residual_stack_loss, params, *batch, microbatches=4)
       for name, options in (("off", dict(mode="off")),
                             ("two_pass", dict(mode="backward", global_ops="two_pass")))}
-  stack_bytes = layers * dim * dim * 4
+  stack_bytes = models.RESIDUAL_LAYERS * models.RESIDUAL_DIM ** 2 * 4
   assert peaks["two_pass"] <= peaks["off"] - stack_bytes * 3 / 4, peaks
