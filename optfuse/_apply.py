@@ -72,6 +72,12 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
   return new_params, plan.new_state(state, params, slots, global_state), cuts
 
 
+def stacked_rows(plan: Plan, axes: dict, state: list, params: list) -> frozenset[int]:
+  """The stacked leaves (``axes``: leaf -> its stacked axis) whose update never mixes rows, so
+  that ``apply_update`` can update them row by row."""
+  return frozenset(i for i in axes if plan.rowwise(i, state, params, axis=axes[i]))
+
+
 def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
                 axis: int = 0) -> tuple[Any, list]:
   """Leaf ``i``'s new param and state slots from its gradient ``grad``, one row per iteration,

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental.shard_alike import shard_alike
 
 from optfuse import _accumulate, _fused_step, _global, _leaves, _loops, _split
-from optfuse._apply import apply_update
+from optfuse._apply import apply_update, stacked_rows
 from optfuse._checks import check_params
 from optfuse._engine import Step
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
@@ -115,15 +115,14 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   k = microbatches
   scaled = _accumulate.scale_loss(loss_fn, has_aux, k)
   batches = _accumulate.split(args, kwargs, k)
-  loop_plan = _accumulate.analyze_loss(scaled, params, batches)
-  param_leaves = plan.params_def.flatten_up_to(params)
-  state_leaves = jax.tree.leaves(state.opt_state)
-  axes = loop_plan.stacked
-  rows = frozenset(i for i in axes if plan.rowwise(i, state_leaves, param_leaves, axis=axes[i]))
+  analysis = _accumulate.analyze_loss(scaled, params, batches)
+  axes = analysis.loop_plan.stacked
+  rows = stacked_rows(plan, axes, jax.tree.leaves(state.opt_state),
+                      plan.params_def.flatten_up_to(params))
   params, opt_state, _ = apply_pending(plan, params, state, rows, axes=axes)
 
   def body(acc, batch):
-    value, acc = _accumulate.accumulate(scaled, has_aux, params, acc, *batch, loop_plan)
+    value, acc = _accumulate.accumulate(scaled, has_aux, params, acc, *batch, analysis)
     return acc, value
 
   # The new sum starts in the buffers of the pending gradient, once its update has read it.
