@@ -86,9 +86,11 @@ def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
 
   def body(k, index, param_rows, read, carry):
     del k
+    # The gradient is a buffer: its rows are slices, and the slot rows need no order after
+    # them (``_row_buffers``).
     grad_row = row_at(grad, index, axis)
     update, new_slots = plan.run_group_row(i, state, params, cuts,
-                                           (grad_row, param_rows[0], read(0, grad_row)), index,
+                                           (grad_row, param_rows[0], read(0, None)), index,
                                            length, axis)
     return [(optax.apply_updates(param_rows[0], update), new_slots)], carry
 

@@ -119,13 +119,20 @@ class _ForwardLoop(NamedTuple):
     return self.body.length - 1 - k if self.body.eqn.params["reverse"] else k
 
   def pre_update(self, j: int, stacks: list, slot_stacks: list, index):
-    """Row ``index`` of leaf ``j``'s param, updated in place in ``stacks``/``slot_stacks``
-    in ``_row_buffers``' order: the slot rows read after the gradient row for the param row,
-    then read again and written after the param row (``write_stack_rereading``)."""
+    """Row ``index`` of leaf ``j``'s param, updated in place in ``stacks``/``slot_stacks``:
+    the slot rows read for the param row, then read again and written after it
+    (``write_stack_rereading``).
+
+    The first reads are not ordered after the gradient row (as the backward loop's are): that
+    row is a slice of the pending gradient, not a value the iteration computes, and an index
+    that depends on it is recomputed for every element of the update fusion (measured, the
+    bench's 8x256 scanned MLP with AdamW: that fusion takes 0.38 ms per step instead of
+    0.83 ms, at the same peak).
+    """
     axis, (grads, _, operands) = self.body.site.axes[j], self.pre_in[j]
     stack, row_fn = Stack(stacks[j], slot_stacks[j], axis), self.pre[j].row_fn
     grad_row, param_row = row_at(grads, index, axis), row_at(stacks[j], index, axis)
-    p_row, _ = row_fn(grad_row, param_row, read_slots(stack, index, grad_row), operands, index)
+    p_row, _ = row_fn(grad_row, param_row, read_slots(stack, index, None), operands, index)
     p_row = p_row.astype(stack.param.dtype)
     stack = write_stack_rereading(
         stack, p_row, lambda rows: row_fn(grad_row, param_row, rows, operands, index)[1], index)
