@@ -48,7 +48,7 @@ from optfuse._checks import check_params
 from optfuse._engine import Step
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
 from optfuse._plan import Plan, PlanCache
-from optfuse._row_buffers import value_after
+from optfuse._row_buffers import ordered, value_after
 
 
 def apply_pending(plan: Plan, params, state: ForwardState,
@@ -249,7 +249,17 @@ def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
     return (keep(optax.apply_updates(param_row, update), param_row),
             [keep(new, old) for new, old in zip(new_slots, slot_rows)])
 
-  return _loops.PreUpdate(grads[i], tuple(state[k] for k in group.state_outs), operands, row_fn)
+  def slots_fn(grads, slots, operands):
+    (state, params, cuts), enabled = operands
+    state = list(state)
+    for k, slot in zip(group.state_outs, slots):
+      state[k] = slot
+    new_slots = plan.run_group_slots(i, grads, state, params, cuts)
+    return [jnp.where(enabled, new.astype(old.dtype), old) for new, old in zip(new_slots, slots)]
+
+  whole = slots_fn if plan.slots_whole(i) and ordered() else None
+  return _loops.PreUpdate(grads[i], tuple(state[k] for k in group.state_outs), operands, row_fn,
+                          whole)
 
 
 def _next_state(opt_state, grads, pending_grads) -> ForwardState:

@@ -39,6 +39,7 @@ from optfuse._row_buffers import (
   read_slots,
   row_at,
   row_loop,
+  value_after,
   write_row,
   write_stack_rereading,
 )
@@ -96,19 +97,29 @@ class PreUpdate(NamedTuple):
     operands: a pytree of arrays ``row_fn`` reads whole (shared state, global cuts...).
     row_fn: ``row_fn(grad_row, param_row, slot_rows, operands, index) -> (param_row,
       slot_rows)``, the new rows of the param and of the slots.
+    slots_fn: ``slots_fn(grads, slots, operands) -> slots``, the new slots from the whole
+      stacks, or ``None`` (``Plan.slots_whole``). When given, the loop writes only the param
+      rows and the slots are updated whole after it, once every row has read the old ones
+      (see ``_ForwardLoop``).
   """
 
   grads: Any
   slots: tuple
   operands: Any
   row_fn: Any
+  slots_fn: Any = None
 
 
 class _ForwardLoop(NamedTuple):
   """The forward loop of a fused scan, which stacks the residuals its backward loop reads.
 
   With pre-updates (forward fusion) iteration ``l`` first updates row ``l`` of those leaves'
-  param and slot stacks in place, then runs the body on the new param row.
+  param and slot stacks in place, then runs the body on the new param row. A leaf with a
+  ``slots_fn`` has only its param rows written in the loop, and its slots updated whole after
+  it: XLA's CPU fusion writes a stacked row in place only from a row of its own, so each slot
+  row rewritten in the loop costs a copy of the old row and a write, where a whole elementwise
+  pass over the stack runs in place (measured, 8 stacked 256x256 AdamW leaves: 1.18 ms for
+  the update row by row, 0.68 ms with the slots whole, 0.55 ms for optax's).
   """
 
   body: Body
@@ -129,15 +140,26 @@ class _ForwardLoop(NamedTuple):
     bench's 8x256 scanned MLP with AdamW: that fusion takes 0.38 ms per step instead of
     0.83 ms, at the same peak).
     """
-    axis, (grads, _, operands) = self.body.site.axes[j], self.pre_in[j]
-    stack, row_fn = Stack(stacks[j], slot_stacks[j], axis), self.pre[j].row_fn
+    axis, (grads, slots, operands) = self.body.site.axes[j], self.pre_in[j]
+    row_fn, whole = self.pre[j].row_fn, self.pre[j].slots_fn is not None
+    stack = Stack(stacks[j], slots if whole else slot_stacks[j], axis)
     grad_row, param_row = row_at(grads, index, axis), row_at(stacks[j], index, axis)
     p_row, _ = row_fn(grad_row, param_row, read_slots(stack, index, None), operands, index)
     p_row = p_row.astype(stack.param.dtype)
+    if whole:
+      stacks[j] = write_row(stack.param, p_row, index, axis)
+      return p_row
     stack = write_stack_rereading(
         stack, p_row, lambda rows: row_fn(grad_row, param_row, rows, operands, index)[1], index)
     stacks[j], slot_stacks[j] = stack.param, stack.slots
     return p_row
+
+  def whole_slots(self, j: int, new_param) -> tuple:
+    """Leaf ``j``'s new slots, updated whole from the old ones, read once ``new_param`` (the
+    loop's last param row) exists."""
+    grads, slots, operands = self.pre_in[j]
+    return tuple(self.pre[j].slots_fn(grads, [value_after(s, new_param) for s in slots],
+                                      operands))
 
   def run(self, pstacks, consts, carry, xs_other, residuals: Residuals | None):
     """``(carry, ys, saved residuals, carries, pre_out, param stacks)``; residuals are stacked
@@ -157,12 +179,16 @@ class _ForwardLoop(NamedTuple):
       carries = c if save and residuals.needs_carry else None
       return (k + 1, out[:nk], tuple(stacks), tuple(slot_stacks)), (out[nk:], saved, carries)
 
-    slot_stacks = tuple(u[1] if u is not None else () for u in self.pre_in)
+    whole = [u is not None and u.slots_fn is not None for u in pre]
+    slot_stacks = tuple(u[1] if u is not None and not w else ()
+                        for u, w in zip(self.pre_in, whole))
     stacks = tuple(None if u is None else p for p, u in zip(pstacks, pre))
     init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks)
     (_, carry_out, stacks, slot_stacks), (ys, saved, carries) = lax.scan(
         step, init, list(xs_other), length=body.length, reverse=body.eqn.params["reverse"],
         unroll=body.eqn.params["unroll"])
+    slot_stacks = tuple(self.whole_slots(j, stacks[j]) if w else t
+                        for j, (t, w) in enumerate(zip(slot_stacks, whole)))
     pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))
     new_pstacks = tuple(p if u is None else q for p, q, u in zip(pstacks, stacks, pre))
     return carry_out, ys, saved, carries, pre_out, new_pstacks
@@ -229,6 +255,7 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
     info.append(residuals)
     carry_out, ys, saved, carries, pre_out, pstacks = loop.run(pstacks, consts, carry, xs_other,
                                                                residuals)
+    leaf_slots = tuple(ordered_after(ls, u, out) for ls, u, out in zip(leaf_slots, pre, pre_out))
     res = (pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant, xs_other)
     return ((*carry_out, *ys), pre_out), res
 
@@ -258,6 +285,17 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
     if updated is not None:
       updater.pre_results[leaf] = updated
   return list(outs)
+
+
+def ordered_after(stacks: tuple, pre: PreUpdate | None, pre_out) -> tuple:
+  """The backward loop's ``stacks`` of a leaf, ordered after the slots its pre-update computes
+  whole: in forward fusion they are the pending gradient those slots read, which the backward
+  loop overwrites in place with the new one."""
+  if pre is None or pre.slots_fn is None:
+    return stacks
+  for slot in pre_out[1]:
+    stacks = tuple(value_after(x, slot) for x in stacks)
+  return stacks
 
 
 class _BackwardLoop(NamedTuple):

@@ -142,6 +142,35 @@ class Plan(NamedTuple):
     out = self._eval(group.jaxpr, group.reads, grads, state, params, cuts)
     return out[0], list(out[1:])
 
+  def _slots_only(self, i: int) -> tuple[jcore.Jaxpr, tuple[bool, ...]]:
+    """Leaf ``i``'s group pruned to its new state slots, and which flat inputs it reads."""
+    group = self.groups[i]
+    jaxpr, used = _jaxpr.prune(group.jaxpr, [False] + [True] * len(group.state_outs))
+    used = iter(used)
+    return jaxpr, tuple(next(used) if r else False for r in group.reads)
+
+  def slots_whole(self, i: int) -> bool:
+    """Whether a row loop that updates leaf ``i``'s param may leave its state slots to one
+    whole pass after the loop (``run_group_slots``).
+
+    They may when they read neither the param, which the loop overwrites in place, nor the
+    global stage's cuts: XLA then holds the gradient scaled by the cut (the clipped gradient,
+    read by both of Adam's moments) as a full-size buffer (measured, the quick suite's scanned
+    MLP in forward mode with clipping: 12.05 MB instead of 10.40 MB).
+    """
+    group, n, m, c = self.groups[i], self.num_params, self.num_state, len(self.consts)
+    reads = self._slots_only(i)[1]
+    return bool(group.state_outs) and not reads[c + n + m + i] and not any(
+        reads[c + 2 * n + m:])
+
+  def run_group_slots(self, i: int, grad, state, params, cuts=()) -> list[Any]:
+    """``new_state[groups[i].state_outs]`` of leaf ``i`` from its whole gradient, without its
+    update (``params[i]`` is not read when ``slots_whole``)."""
+    grads = [None] * self.num_params
+    grads[i] = grad
+    jaxpr, reads = self._slots_only(i)
+    return self._eval(jaxpr, reads, grads, state, params, cuts)
+
   def apply_leaf(self, i: int, grad, param, slots, state, params, cuts=(),
                  update_params: bool = True) -> tuple[Any, tuple]:
     """Leaf ``i``'s new param and slots: ``run_group`` with its own param and slots put in

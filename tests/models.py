@@ -203,3 +203,17 @@ def residual_stack_loss(p, x, y):
   body = lambda h, layer: (h + jnp.tanh(h @ layer[0] + layer[1]), None)
   h, _ = jax.lax.scan(body, x, (p["w"], p["b"]))
   return jnp.mean((h @ p["out"] - y) ** 2)
+
+
+def ema_of_params(lr: float = 1e-2) -> optax.GradientTransformation:
+  """A rowwise transform whose state reads the params (``mu``, an average of the params that
+  the update pulls towards): a row loop cannot leave its slots to a pass after the loop."""
+
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, mu, params):
+    mu = jax.tree.map(lambda m, p: 0.9 * m + 0.1 * p, mu, params)
+    return jax.tree.map(lambda g, m, p: -lr * (g + 0.01 * (p - m)), grads, mu, params), mu
+
+  return optax.GradientTransformation(init, update)

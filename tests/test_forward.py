@@ -127,10 +127,17 @@ def test_forward_fusion_with_microbatches_accumulates_into_the_pending_buffer():
   assert peaks["forward"] <= peaks["off"] - stack_bytes / 2
 
 
-@pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw"])
+SCANNED = {**OPTIMIZERS, "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+           "ema_of_params": models.ema_of_params}
+
+
+@pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw", "lion", "sgd_momentum",
+                                  "ema_of_params"])
 def test_forward_fusion_of_a_scanned_model_matches_optax_over_50_steps(name):
-  # The 4 stacked layers are updated row by row (adamw: 2 + 2 slots rows at least).
-  tx = OPTIMIZERS[name]()
+  # The 4 stacked layers are updated row by row in the forward loop: the params alone, their
+  # slots whole after the loop (adamw, lion, sgd_momentum), or both row by row (clipping: the
+  # slots read the clipping factor; ema_of_params: they read the param).
+  tx = SCANNED[name]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=models.scanned_loss)
   got = train(optfuse.fuse(tx, mode="forward"), params, batches, STEPS, loss_fn=models.scanned_loss)
@@ -179,6 +186,30 @@ def test_in_loop_forward_fusion_of_a_reversed_rematerialised_scan_matches_optax(
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=reversed_remat_loss)
   got = train(optfuse.fuse(tx, mode="forward"), params, batches, STEPS,
               loss_fn=reversed_remat_loss)
+  chex.assert_trees_all_close(got, expected, **TOL)
+
+
+def remat_stack_loss(params, tokens, targets):
+  """``scanned_loss`` with ``jax.checkpoint`` around the whole scan."""
+  body = lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None)
+  stack = jax.checkpoint(lambda h, layers: jax.lax.scan(body, h, layers)[0])
+  h = stack(params["embed"][tokens], params["layers"])
+  return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], targets).mean()
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "clip_by_global_norm+adamw",
+                                  "ema_of_params"])
+def test_stacked_leaves_of_a_rematerialised_stack_are_updated_row_by_row_before_it(name):
+  # Inside the checkpoint the forward loop runs again in the backward pass, so the rows are
+  # updated before the loss: the params row by row and the slots whole after them (adamw,
+  # lion), or both row by row (their slots read the clipping factor or the param).
+  tx = SCANNED[name]()
+  params, batches = models.stacked_params(), models.tied_lm_batches()
+  fx = optfuse.fuse(tx, mode="forward")
+  placements = optfuse.describe(fx, remat_stack_loss, params, *batches[0])
+  assert placements["['layers']['w']"] == placements["['layers']['b']"] == "rows"
+  expected = models.run_optax(tx, params, batches, STEPS, loss_fn=remat_stack_loss)
+  got = train(fx, params, batches, STEPS, loss_fn=remat_stack_loss)
   chex.assert_trees_all_close(got, expected, **TOL)
 
 

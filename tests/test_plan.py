@@ -1,0 +1,54 @@
+"""The update plan: which leaves' state slots a row loop may leave to one whole pass."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from optfuse._global import make_global_plan
+from tests import models
+
+
+def stacked_params():
+  key_w, key_b = jax.random.split(jax.random.key(0))
+  return {"w": jax.random.normal(key_w, (4, 8, 8)), "b": jax.random.normal(key_b, (4, 8))}
+
+
+def plan_of(tx, params):
+  return make_global_plan(tx, params, tx.init(params))
+
+
+@pytest.mark.parametrize("tx", [optax.adamw(1e-2, weight_decay=1e-2), optax.lion(1e-3),
+                                optax.sgd(1e-2, momentum=0.9)], ids=["adamw", "lion", "sgdm"])
+def test_slots_that_read_only_their_gradient_and_state_are_updated_whole(tx):
+  params = stacked_params()
+  plan = plan_of(tx, params)
+  assert all(plan.slots_whole(i) for i in range(plan.num_params))
+
+
+@pytest.mark.parametrize("tx", [
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),  # reads the clipping factor
+    models.ema_of_params(),  # reads the param, which the row loop overwrites
+    optax.sgd(1e-2),  # no slots
+], ids=["clip_adam", "ema_of_params", "sgd"])
+def test_slots_that_read_the_param_or_the_global_stage_are_not_updated_whole(tx):
+  params = stacked_params()
+  plan = plan_of(tx, params)
+  assert not any(plan.slots_whole(i) for i in range(plan.num_params))
+
+
+@pytest.mark.parametrize("tx", [optax.adamw(1e-2, weight_decay=1e-2), models.ema_of_params(),
+                                optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))],
+                         ids=["adamw", "ema_of_params", "clip_adam"])
+def test_run_group_slots_gives_the_slots_of_the_whole_update(tx):
+  params = stacked_params()
+  grads = jax.tree.map(lambda p: jnp.cos(p) * 3.0, params)
+  plan, state = plan_of(tx, params), tx.init(params)
+  flat_grads, flat_params = jax.tree.leaves(grads), jax.tree.leaves(params)
+  flat_state = jax.tree.leaves(state)
+  cuts, _ = plan.run_global(flat_grads, flat_state, flat_params)
+  for i in range(plan.num_params):
+    _, expected = plan.run_group(i, flat_grads[i], flat_state, flat_params, cuts)
+    got = plan.run_group_slots(i, flat_grads[i], flat_state, flat_params, cuts)
+    chex.assert_trees_all_equal(got, expected)
