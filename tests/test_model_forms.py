@@ -192,6 +192,22 @@ def test_form_trains_like_optax_over_20_steps(form, mode):
   chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **tol)
 
 
+@pytest.mark.parametrize("form", [pytest.param(form, marks=() if form in _FAST_MODES
+                                                 else pytest.mark.slow)
+                                  for form in sorted(FORMS)])
+def test_form_trains_like_optax_in_forward_mode_without_clipping(form):
+  # Without a global stage the stacked leaves' moments are updated in one pass after the rows
+  # (``Plan.slots_whole``), along whichever axis the form stacks them.
+  abstract, loss, batch_spec, dtype = FORMS[form](TINY)
+  params, batch = _materialize(abstract, batch_spec)
+  tx = _optimizer(dtype)
+  fx = optfuse.fuse(tx, mode="forward")
+  got = models.run_steps(fx.value_and_update(loss), params, fx.init(params), [batch], 20)
+  got_params = fx.flush(got[1], got[2])[0]
+  ref = models.run_optax(tx, params, [batch], 20, loss_fn=loss)
+  chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **TOL)
+
+
 def _compiled(fx, loss, params, batch):
   step = jax.jit(fx.value_and_update(loss), donate_argnums=(0, 1))
   return step.lower(params, jax.eval_shape(fx.init, params), *batch).compile()
