@@ -29,7 +29,7 @@ import optax
 
 from optfuse._leaves import is_float, keep_int_state
 from optfuse._plan import Plan
-from optfuse._row_buffers import Stack, ordered, row_at, row_loop, value_after
+from optfuse._row_buffers import Stack, row_at, row_loop, value_after
 
 
 def apply_update(plan: Plan, grads: list, state: list, params: list,
@@ -80,18 +80,15 @@ def stacked_rows(plan: Plan, axes: dict, state: list, params: list) -> frozenset
 
 def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
                 axis: int = 0) -> tuple[Any, list]:
-  """Leaf ``i``'s new param and state slots from its gradient ``grad``: the param one row per
-  iteration, written in place, then the slots.
+  """Leaf ``i``'s new param and state slots from its gradient ``grad``, one row per iteration,
+  written in place.
 
-  The slots are updated whole once every param row is written (each elementwise pass runs in
-  place) when ``plan.slots_whole(i)`` on one device (``_row_buffers.ordered``); otherwise each
-  iteration writes its slot rows after its param row. XLA's CPU fusion writes a stacked row in
-  place only from a row of its own: each slot row it rewrites costs a copy of the old row and
-  a write (measured, 8 stacked 256x256 AdamW leaves: 1.18 ms per update row by row, 0.68 ms
-  with the slots whole, 0.55 ms for optax's whole update).
+  The slots stay in the loop: updated whole after it (as the forward loop does when
+  ``plan.slots_whole(i)``), inside the ``lax.cond`` of forward fusion's pending update XLA
+  copies the whole param stack twice (measured, 8 stacked 512x512 AdamW layers under
+  ``jax.checkpoint``: 49.96 MB instead of 43.65 MB).
   """
   group, length = plan.groups[i], jnp.shape(params[i])[axis]
-  slots_whole = plan.slots_whole(i) and ordered()
 
   def body(k, index, param_rows, read, carry):
     del k
@@ -101,16 +98,8 @@ def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
     update, new_slots = plan.run_group_row(i, state, params, cuts,
                                            (grad_row, param_rows[0], read(0, None)), index,
                                            length, axis)
-    return [(optax.apply_updates(param_rows[0], update), None if slots_whole else new_slots)
-            ], carry
+    return [(optax.apply_updates(param_rows[0], update), new_slots)], carry
 
   stack = Stack(params[i], tuple(state[k] for k in group.state_outs), axis)
   (stack,), _ = row_loop(length, lambda k: k, [stack], body, ())
-  if not slots_whole:
-    return stack.param, list(stack.slots)
-  # The old slots are read once the last param row (which reads them) is written.
-  state = list(state)
-  for k in group.state_outs:
-    state[k] = value_after(state[k], stack.param)
-  return stack.param, plan.run_group_slots(i, grad, state, params, cuts)
-
+  return stack.param, list(stack.slots)
