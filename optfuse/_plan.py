@@ -21,6 +21,7 @@ stage and the statistics, and one predicate says whether a leaf runs row by row
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -75,6 +76,15 @@ class StatsPlan(NamedTuple):
 def _row_spec(x, axis: int) -> jax.ShapeDtypeStruct:
   shape = jnp.shape(x)
   return jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1:], jnp.result_type(x))
+
+
+@functools.lru_cache(maxsize=1024)
+def _slots_only(group: LeafGroup) -> tuple[jcore.Jaxpr, tuple[bool, ...]]:
+  """``group`` pruned to its new state slots, and which flat inputs it reads: once per group
+  (plans are cached per signature, and both ``Plan.slots_whole`` and ``run_group_slots`` ask)."""
+  jaxpr, used = _jaxpr.prune(group.jaxpr, [False] + [True] * len(group.state_outs))
+  used = iter(used)
+  return jaxpr, tuple(next(used) if r else False for r in group.reads)
 
 
 class Plan(NamedTuple):
@@ -144,10 +154,7 @@ class Plan(NamedTuple):
 
   def _slots_only(self, i: int) -> tuple[jcore.Jaxpr, tuple[bool, ...]]:
     """Leaf ``i``'s group pruned to its new state slots, and which flat inputs it reads."""
-    group = self.groups[i]
-    jaxpr, used = _jaxpr.prune(group.jaxpr, [False] + [True] * len(group.state_outs))
-    used = iter(used)
-    return jaxpr, tuple(next(used) if r else False for r in group.reads)
+    return _slots_only(self.groups[i])
 
   def slots_whole(self, i: int) -> bool:
     """Whether a row loop that updates leaf ``i``'s param may leave its state slots to one
