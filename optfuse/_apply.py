@@ -8,6 +8,8 @@ its temporaries to one leaf's (or one row's):
 * the leaves of ``rows`` (stacked layers) are updated one row per iteration of a loop, in place:
   the whole update would build each full-size intermediate it cannot fuse into all its
   consumers (the clipped gradient, read by both of Adam's moments); a row loop holds one row.
+  Stacked leaves whose whole update is in place (``Plan.in_place_whole``: AdamW) are not rows:
+  whole, XLA updates them in a few elementwise passes, faster than a loop.
 * with a global stage (clipping), the other leaves are updated one after the other: each
   leaf's update reads its gradient only once the previous leaf's new param exists
   (``value_after``). XLA would otherwise run each stage of the update (the clipping, the
@@ -73,9 +75,11 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
 
 
 def stacked_rows(plan: Plan, axes: dict, state: list, params: list) -> frozenset[int]:
-  """The stacked leaves (``axes``: leaf -> its stacked axis) whose update never mixes rows, so
-  that ``apply_update`` can update them row by row."""
-  return frozenset(i for i in axes if plan.rowwise(i, state, params, axis=axes[i]))
+  """The stacked leaves (``axes``: leaf -> its stacked axis) to update row by row: those whose
+  update never mixes rows and, run whole, would hold a full-size temporary
+  (``Plan.in_place_whole``); the others are updated whole, in place and faster."""
+  return frozenset(i for i in axes if not plan.in_place_whole(i)
+                   and plan.rowwise(i, state, params, axis=axes[i]))
 
 
 def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,

@@ -178,6 +178,41 @@ def first_mixing_equation(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> jcore.
   return walk.found
 
 
+class _DirectDependencies(Dependencies):
+  def __init__(self, top: jcore.Jaxpr, through: set):
+    super().__init__()
+    self.top, self.through, self.labels = top, through, {}
+
+  def read(self, atom) -> Deps:
+    if self.jaxpr is self.top and isinstance(atom, jcore.Var) and atom in self.through:
+      return Deps()
+    return super().read(atom)
+
+  def write(self, v, value) -> None:
+    super().write(v, value)
+    if self.jaxpr is self.top:
+      self.labels[v] = value
+
+
+def direct_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps],
+                        through: Sequence[Any]) -> list[Deps]:
+  """``output_dependencies``, except that a value read through one of the top-level variables
+  ``through`` brings none of its labels: the labels each output reads other than through them.
+
+  Args:
+    jaxpr: an open jaxpr (constvars carry no labels).
+    in_deps: one set of labels per invar.
+    through: top-level variables (invars, outvars or intermediates; literals are ignored).
+
+  Returns:
+    One set of labels per outvar (the labels of a variable of ``through`` itself included).
+  """
+  walk = _DirectDependencies(jaxpr, {v for v in through if isinstance(v, jcore.Var)})
+  walk.run(jaxpr, [Deps()] * len(jaxpr.constvars), in_deps)
+  return [walk.labels.get(v, Deps()) if isinstance(v, jcore.Var) else Deps()
+          for v in jaxpr.outvars]
+
+
 def prune(jaxpr: jcore.Jaxpr, used_outputs: Sequence[bool]) -> tuple[jcore.Jaxpr, list[bool]]:
   """Dead-code elimination, through higher-order primitives (cond branches, calls, loops).
 

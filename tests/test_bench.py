@@ -114,11 +114,15 @@ def test_fsdp_backward_fusion_needs_no_more_memory_per_device_than_optax(fsdp_ti
   assert peak["backward"] <= peak["off"]
 
 
-def test_fsdp_fuses_every_stacked_leaf_in_its_loop_without_new_collectives(fsdp_tiny_run):
+def test_fsdp_fuses_every_stacked_leaf_without_new_collectives(fsdp_tiny_run):
+  # Backward fusion updates every stacked leaf in its loop; forward fusion's AdamW update is
+  # in place whole, before the loss, while the backward loop writes the gradient rows.
   _, rows, _ = fsdp_tiny_run
   off, *fused = rows
   for row in fused:
-    assert row["stacked_in_loop"] == row["stacked_leaves"] == 6, row["mode"]
+    where = "leaf" if row["mode"] == "forward" else "loop"
+    assert row["stacked_placements"] == {where: row["stacked_leaves"]} and row[
+        "stacked_leaves"] == 6, row["mode"]
     assert row["extra_all_gathers"] == [], row["mode"]
     assert row["collectives"] == off["collectives"], row["mode"]
 

@@ -136,9 +136,10 @@ SCANNED = {**OPTIMIZERS, "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
 @pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw", "lion", "sgd_momentum",
                                   "ema_of_params"])
 def test_forward_fusion_of_a_scanned_model_matches_optax_over_50_steps(name):
-  # The 4 stacked layers are updated row by row in the forward loop: the params alone, their
-  # slots whole after the loop (adamw, lion, sgd_momentum), or both row by row (clipping: the
-  # slots read the clipping factor; ema_of_params: they read the param).
+  # The 4 stacked layers are updated whole and in place before the loss (adamw,
+  # sgd_momentum), or row by row in the forward loop: the params alone and their slots whole
+  # after the loop (lion), or both row by row (clipping: the slots read the clipping factor;
+  # ema_of_params: they read the param).
   tx = SCANNED[name]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=models.scanned_loss)
@@ -156,13 +157,20 @@ def _loops_in(jaxpr) -> int:
   return count
 
 
-@pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw"])
-def test_forward_fusion_updates_scanned_layers_inside_the_forward_loop(name):
-  fx = optfuse.fuse(OPTIMIZERS[name](), mode="forward")
+@pytest.mark.parametrize("name,where", [("adamw", "leaf"), ("sgd_momentum", "leaf"),
+                                        ("lion", "loop"), ("clip_by_global_norm+adamw", "loop"),
+                                        ("ema_of_params", "loop")])
+def test_forward_fusion_updates_scanned_layers_in_place_whole_or_inside_the_forward_loop(
+    name, where):
+  # Updated whole, AdamW's step is in place (it reads the old moments only through the new
+  # ones). Lion's reads the old momentum beside the new, clipping's both moments read the
+  # clipped gradient, ema_of_params' slots read the param: whole, each would hold a full-size
+  # temporary, so their rows are updated inside the forward loop.
+  fx = optfuse.fuse(SCANNED[name](), mode="forward")
   params, (tokens, targets) = models.stacked_params(), models.tied_lm_batches()[0]
   assert optfuse.describe(fx, models.scanned_loss, params, tokens, targets) == {
-      "['embed']": "leaf", "['head']": "leaf", "['layers']['b']": "loop",
-      "['layers']['w']": "loop"}
+      "['embed']": "leaf", "['head']": "leaf", "['layers']['b']": where,
+      "['layers']['w']": where}
   # The update adds no loop of its own: the step has the forward scan and its backward loop, as
   # optax's step has.
   step = fx.value_and_update(models.scanned_loss)
@@ -199,27 +207,30 @@ def remat_stack_loss(params, tokens, targets):
   return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], targets).mean()
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion", "clip_by_global_norm+adamw",
-                                  "ema_of_params"])
-def test_stacked_leaves_of_a_rematerialised_stack_are_updated_row_by_row_before_it(name):
+@pytest.mark.parametrize("name,where", [("adamw", "leaf"), ("lion", "rows"),
+                                        ("clip_by_global_norm+adamw", "rows"),
+                                        ("ema_of_params", "rows")])
+def test_stacked_leaves_of_a_rematerialised_stack_are_updated_before_it(name, where):
   # Inside the checkpoint the forward loop runs again in the backward pass, so the rows are
-  # updated before the loss, params and slots row by row.
+  # updated before the loss: whole and in place (adamw), or params and slots row by row.
   tx = SCANNED[name]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
   fx = optfuse.fuse(tx, mode="forward")
   placements = optfuse.describe(fx, remat_stack_loss, params, *batches[0])
-  assert placements["['layers']['w']"] == placements["['layers']['b']"] == "rows"
+  assert placements["['layers']['w']"] == placements["['layers']['b']"] == where
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=remat_stack_loss)
   got = train(fx, params, batches, STEPS, loss_fn=remat_stack_loss)
   chex.assert_trees_all_close(got, expected, **TOL)
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "clip_by_global_norm+adamw"])
-def test_rows_updated_before_a_rematerialised_stack_need_about_optax_peak_memory(name):
-  # Compile-only. The row loop runs inside the conditional that skips the first step's update;
-  # its slots stay in the loop (updated whole after it, XLA copied the param stack twice:
-  # 49.96 MB with AdamW). Measured on CPU: optax 42.73 / 34.21 / 42.80 MB, forward 43.65 /
-  # 35.11 / 44.70 MB.
+def test_stacked_leaves_updated_before_a_rematerialised_stack_need_about_optax_peak_memory(
+    name):
+  # Compile-only. The update runs inside the conditional that skips the first step's: whole
+  # and in place for AdamW, row by row for Lion and clipping, whose row loop keeps its slots
+  # (updated whole after it, XLA copied the param stack twice: 49.96 MB with AdamW). Measured on
+  # CPU: optax 42.73 / 34.21 / 42.80 MB, forward 43.65 / 35.11 / 44.70 MB (AdamW row by row:
+  # 43.65 MB too).
   layers, dim = 8, 512
   params = models.abstract_stacked_params(layers, dim)
   tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
@@ -256,8 +267,9 @@ def test_in_loop_forward_fusion_without_jit_matches_optax():
 
 def test_stacked_leaves_of_a_loop_too_short_to_fuse_are_updated_row_by_row_before_it():
   # Two layers: the backward loop keeps the stacked gradient (a loop needs 3 iterations to pay
-  # for its rows in flight), and SGD's update (no slots) is applied row by row before the loop.
-  tx = optax.sgd(0.1)
+  # for its rows in flight), and clipped SGD's update (no slots; whole, the clipped gradient
+  # would be a full-size temporary) is applied row by row before the loop.
+  tx = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
   params, batches = models.stacked_params(layers=2), models.tied_lm_batches()
   tokens, targets = batches[0]
   fx = optfuse.fuse(tx, mode="forward")
@@ -284,11 +296,13 @@ def test_stacked_leaves_whose_update_mixes_rows_are_updated_whole_before_the_loo
 def test_forward_step_on_a_scanned_model_needs_about_optax_peak_memory(name):
   # Compile-only. The pending gradient is an argument of the step (optax's gradient is a
   # temporary), so the new one must be written into its donated buffer, not into a fresh one
-  # copied there afterwards, and stacked leaves are updated row by row inside the forward loop
-  # (the clipped gradient, read by both of Adam's moments, would be a full temporary). Measured
-  # on CPU, peak: optax 42.73 MB (adamw) and 42.80 MB (clipping); forward 43.65 and 44.44 MB (a
-  # whole-leaf update: 50.2 and 57.5 MB; before the rows were ordered, 44.2 and 45.0 MB). What
-  # is left is rows in flight in the two loops: the bound is optax's peak plus 2.5 layers.
+  # copied there afterwards. AdamW's stacked leaves are updated whole, in place; with clipping
+  # row by row inside the forward loop (the clipped gradient, read by both of Adam's moments,
+  # would be a full temporary). Measured on CPU, peak: optax 42.73 MB (adamw) and 42.80 MB
+  # (clipping); forward 43.65 and 44.44 MB, the same for AdamW row by row in the loop (before
+  # the pending gradient was captured in its donated buffer, a whole-leaf update took 50.2 and
+  # 57.5 MB). What is left is rows in flight in the loops: the bound is optax's peak plus 2.5
+  # layers.
   layers, dim = 8, 512
   params = models.abstract_stacked_params(layers, dim)
   tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)

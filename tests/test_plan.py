@@ -1,4 +1,5 @@
-"""The update plan: which leaves' state slots a row loop may leave to one whole pass."""
+"""The update plan: which leaves' state slots a row loop may leave to one whole pass, and which
+leaves' whole update runs in place."""
 
 import chex
 import jax
@@ -52,3 +53,26 @@ def test_run_group_slots_gives_the_slots_of_the_whole_update(tx):
     _, expected = plan.run_group(i, flat_grads[i], flat_state, flat_params, cuts)
     got = plan.run_group_slots(i, flat_grads[i], flat_state, flat_params, cuts)
     chex.assert_trees_all_equal(got, expected)
+
+
+@pytest.mark.parametrize("tx", [
+    optax.adamw(1e-2, weight_decay=1e-2),  # reads the old moments through the new ones
+    optax.sgd(1e-2),
+    optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    optax.chain(optax.clip(1.0), optax.adam(1e-2)),  # an elementwise clip is not a cut
+    optax.rmsprop(1e-2),
+], ids=["adamw", "sgd", "nesterov", "clip_adam", "rmsprop"])
+def test_updates_that_read_only_their_own_old_buffers_run_whole_in_place(tx):
+  plan = plan_of(tx, stacked_params())
+  assert all(plan.in_place_whole(i) for i in range(plan.num_params))
+
+
+@pytest.mark.parametrize("tx", [
+    optax.lion(1e-3),  # the step reads the old momentum beside the new
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),  # reads the clipping factor
+    models.ema_of_params(),  # reads the average, shared state the update overwrites
+    optax.adam(1e-2, mu_dtype=jnp.bfloat16),  # the step reads the float32 moment, not the slot
+], ids=["lion", "clip_by_global_norm", "ema_of_params", "adam_bf16_mu"])
+def test_updates_that_read_an_old_buffer_another_output_overwrites_do_not_run_whole(tx):
+  plan = plan_of(tx, stacked_params())
+  assert not any(plan.in_place_whole(i) for i in range(plan.num_params))

@@ -200,9 +200,9 @@ def measure(model: Model, devices: int = DEVICES, progress: bool = False) -> lis
     ``saved_of_share`` (the peak saved against "off", over the gradient share),
     ``all_gathers`` (their number in the HLO), ``extra_all_gathers`` (those "off" has not),
     ``collectives`` (collective name -> count in the HLO), ``compile_s``, and for the fused
-    modes ``stacked_in_loop`` (how many of the ``stacked_leaves`` ``optfuse.describe`` places in
-    a loop). A mode that cannot run is a row with ``unavailable``, a library error one with
-    ``failed``.
+    modes ``stacked_placements`` (placement -> how many of the ``stacked_leaves``
+    ``optfuse.describe`` places there). A mode that cannot run is a row with ``unavailable``,
+    a library error one with ``failed``.
 
   Raises:
     RuntimeError: this process does not have ``devices`` devices.
@@ -237,8 +237,8 @@ def measure(model: Model, devices: int = DEVICES, progress: bool = False) -> lis
       row["compile_s"] = time.perf_counter() - start
       if mode != "off":
         placements = optfuse.describe(fx, model.loss, params, *batch)
-        row["stacked_in_loop"] = sum(where == "loop" for path, where in placements.items()
-                                     if path.startswith("['layers']"))
+        row["stacked_placements"] = dict(collections.Counter(
+            where for path, where in placements.items() if path.startswith("['layers']")))
     except _memory.UNAVAILABLE_ERRORS as e:
       row["unavailable"] = f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
       continue
@@ -309,8 +309,10 @@ _COLUMNS = (
                f"({1 - r['live_grad_share_bytes'] / r['grad_share_bytes']:.0%})"),
     ("all-gathers (new)", True,
      lambda r: f"{r['all_gathers']} ({len(r['extra_all_gathers'])})"),
-    ("stacked leaves in loop", True,
-     lambda r: f"{r['stacked_in_loop']}/{r['stacked_leaves']}" if "stacked_in_loop" in r else "-"),
+    ("stacked leaves placed", True,
+     lambda r: ", ".join(f"{where} {count}/{r['stacked_leaves']}"
+                         for where, count in sorted(r["stacked_placements"].items()))
+     if "stacked_placements" in r else "-"),
     ("compile", True, lambda r: f"{r['compile_s']:.0f} s"),
 )
 
@@ -337,7 +339,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
       "leaves outside the loop and one layer's rows). Forward mode's state carries the pending "
       "gradient between steps, in its arguments. All-gathers: in the compiled HLO (one inside "
       "the loop body counts once), in brackets how many of them optax has not. Stacked leaves "
-      "in loop: updated row by row inside the scan (`optfuse.describe`).")
+      "placed (`optfuse.describe`): loop, updated row by row inside the scan; leaf, updated "
+      "whole and in place before the loss (forward mode, AdamW).")
   title = (f"### FSDP on {env['devices']} simulated {env['backend']} devices: jax "
            f"{env['jax_version']}, optax {env['optax_version']}, {env['cpu_count']} CPUs")
   out = _report._section(title, intro, _COLUMNS, rows)
