@@ -185,7 +185,7 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
     # a row loop would only be slower.
     rows = (frozenset() if plan.is_separable
             else stacked_rows(plan, axes, state_leaves, param_leaves))
-    new_params, new_state, _ = apply_update(plan, plan.params_def.flatten_up_to(mean),
+    new_params, new_state, _, _ = apply_update(plan, plan.params_def.flatten_up_to(mean),
                                             state_leaves, param_leaves, rows, axes=axes)
     return (sum_value(values, has_aux), jax.tree.unflatten(plan.params_def, new_params),
             jax.tree.unflatten(plan.state_def, new_state))

@@ -9,7 +9,10 @@ its temporaries to one leaf's (or one row's):
   the whole update would build each full-size intermediate it cannot fuse into all its
   consumers (the clipped gradient, read by both of Adam's moments); a row loop holds one row.
   Stacked leaves whose whole update is in place (``Plan.in_place_whole``: AdamW) are not rows:
-  whole, XLA updates them in a few elementwise passes, faster than a loop.
+  whole, XLA updates them in a few elementwise passes, faster than a loop. Nor are those of
+  ``staged`` (clipping before AdamW, ``Plan.staged_in_place``): their clipped gradient is
+  computed first and returned, for the caller to let it take over the gradient's buffer, and
+  the rest of the update runs whole from it, in place.
 * with a global stage (clipping), the other leaves are updated one after the other: each
   leaf's update reads its gradient only once the previous leaf's new param exists
   (``value_after``). XLA would otherwise run each stage of the update (the clipping, the
@@ -36,7 +39,8 @@ from optfuse._row_buffers import Stack, row_at, row_loop, value_after
 
 def apply_update(plan: Plan, grads: list, state: list, params: list,
                  rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
-                 axes: dict | None = None) -> tuple[list, list, list]:
+                 axes: dict | None = None, staged: frozenset[int] = frozenset()
+                 ) -> tuple[list, list, list, list]:
   """The plan's update of flat ``params`` and ``state`` from the flat ``grads``, applied.
 
   Args:
@@ -47,17 +51,24 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
     rows: leaves updated row by row in place (``update_rows``), along ``axes[i]``.
     deferred: leaves left as they are (their param and slots come back unchanged).
     axes: leaf -> the axis its rows are stacked along (default 0).
+    staged: leaves updated whole through their ``Plan.gradient_stage``: the staged gradient
+      (the clipped one) first, then the rest of the update from it, in place.
 
   Returns:
-    ``(new_params, new_state, cuts)``: flat, with the cuts of the plan's global stage.
-    Non-float params are kept, with their integer slots.
+    ``(new_params, new_state, cuts, staged_grads)``: flat, with the cuts of the plan's global
+    stage, and ``grads`` with the staged gradient of each ``staged`` leaf in place of its
+    gradient (a caller that returns it lets XLA write it over the gradient's buffer). Non-float
+    params are kept, with their integer slots.
   """
   cuts, global_state = plan.run_global(grads, state, params)
-  new_params, slots, previous = list(params), {}, None
+  new_params, slots, previous, staged_grads = list(params), {}, None, list(grads)
   for i, p in enumerate(params):
     if i in deferred:
       continue
-    if i in rows:
+    if i in staged:
+      staged_grads[i], update, slots[i] = plan.run_staged(i, grads[i], state, params, cuts)
+      new_params[i] = optax.apply_updates(p, update)
+    elif i in rows:
       new_params[i], slots[i] = update_rows(plan, i, grads[i], state, params, cuts,
                                             (axes or {}).get(i, 0))
     else:
@@ -71,7 +82,7 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
     else:
       old = tuple(state[k] for k in plan.groups[i].state_outs)
       slots[i] = keep_int_state(tuple(slots[i]), old)
-  return new_params, plan.new_state(state, params, slots, global_state), cuts
+  return new_params, plan.new_state(state, params, slots, global_state), cuts, staged_grads
 
 
 def stacked_rows(plan: Plan, axes: dict, state: list, params: list) -> frozenset[int]:
@@ -80,6 +91,14 @@ def stacked_rows(plan: Plan, axes: dict, state: list, params: list) -> frozenset
   (``Plan.in_place_whole``); the others are updated whole, in place and faster."""
   return frozenset(i for i in axes if not plan.in_place_whole(i)
                    and plan.rowwise(i, state, params, axis=axes[i]))
+
+
+def stacked_staged(plan: Plan, axes: dict, params: list) -> frozenset[int]:
+  """The stacked float leaves (``axes``) whose update is not in place whole but is once their
+  gradient is staged (``Plan.staged_in_place``: the clipped gradient written over the
+  gradient's buffer, then AdamW whole from it)."""
+  return frozenset(i for i in axes if is_float(params[i]) and not plan.in_place_whole(i)
+                   and plan.staged_in_place(i))
 
 
 def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,

@@ -11,14 +11,16 @@ Unstacked leaves are updated before the loss runs; under ``jax.jit`` XLA is free
 (and fuse) each leaf's update next to its first consumer. So are stacked layers (param leaves
 consumed by a ``lax.scan``) whose whole update writes its param and slots in place
 (``Plan.in_place_whole``: AdamW, SGD): a few elementwise passes at optax's speed, where a row
-loop costs kernels per row. The others would hold a full-size temporary whole (the clipped
-gradient, read by both of Adam's moments; Lion's old momentum, read beside the new), so their
-rows are updated inside the scan: iteration ``l`` of the forward loop reads row ``l`` of the
-pending gradient, param and optimizer state, writes the new param and state rows in place and
-runs the layer on the new row (``_loops.PreUpdate``). That needs an update that never mixes
-rows (``_rows``; other stacked leaves are updated whole before the loop); inside
-``jax.checkpoint``, and in loops too short to fuse, the rows are updated in place in a row loop
-before the loss (``_apply``). The global stage (clipping factor, all-finite flag) runs once
+loop costs kernels per row; and so are those that read the clipping factor only through the
+clipped gradient (``Plan.staged_in_place``): the clipped gradient, which both of Adam's moments
+read, is written over the pending gradient's buffer first (``apply_pending``), then the rest
+of the update runs whole, in place. The others would hold a full-size temporary whole (Lion's
+old momentum, read beside the new), so their rows are updated inside the scan: iteration ``l``
+of the forward loop reads row ``l`` of the pending gradient, param and optimizer state, writes
+the new param and state rows in place and runs the layer on the new row (``_loops.PreUpdate``).
+That needs an update that never mixes rows (``_rows``; other stacked leaves are updated whole
+before the loop); inside ``jax.checkpoint``, and in loops too short to fuse, the rows are
+updated in place in a row loop before the loss (``_apply``). The global stage (clipping factor, all-finite flag) runs once
 before the loop; the rows read its result.
 
 The new gradient is taken by a backward-fused step (``_backward``) of a transformation whose
@@ -46,7 +48,7 @@ from jax import lax
 from jax.experimental.shard_alike import shard_alike
 
 from optfuse import _accumulate, _fused_step, _global, _leaves, _loops, _split
-from optfuse._apply import apply_update, stacked_rows
+from optfuse._apply import apply_update, stacked_rows, stacked_staged
 from optfuse._checks import check_params
 from optfuse._engine import Step
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
@@ -56,8 +58,9 @@ from optfuse._row_buffers import ordered, value_after
 
 def apply_pending(plan: Plan, params, state: ForwardState,
                   rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
-                  axes: dict | None = None) -> tuple[Any, Any, list]:
-  """Applies the pending update, if any: ``(params, opt_state, cuts)``.
+                  axes: dict | None = None, staged: frozenset[int] = frozenset()
+                  ) -> tuple[Any, Any, list, list]:
+  """Applies the pending update, if any: ``(params, opt_state, cuts, buffers)``.
 
   The global stage runs once on all the pending gradients, then each leaf's share (row by row
   in place for the stacked leaves of ``rows``, see ``_apply``), except for
@@ -68,40 +71,52 @@ def apply_pending(plan: Plan, params, state: ForwardState,
   and the new value of every param and state leaf alive together (measured: 36 MB of
   temporaries instead of 0.5 MB for a 4M-param MLP with AdamW), while the conditional updates
   them in place.
+
+  The leaves of ``staged`` are updated whole through their staged gradient (the clipped one,
+  ``Plan.gradient_stage``), which the conditional returns: ``buffers`` is the flat pending
+  gradient with it in their place, so that XLA writes it over the pending gradient's buffer
+  (dead once the update has read it) and the next gradient is captured into that buffer.
   """
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state.opt_state)
   deferred_slots = {k for i in deferred for k in plan.groups[i].state_outs}
   own_params = [i for i in range(plan.num_params) if i not in deferred]
   own_state = [k for k in range(plan.num_state) if k not in deferred_slots]
+  staged_leaves = sorted(staged)
 
   def apply(operands):
     grads, state_leaves, param_leaves = operands
-    new_params, new_state, cuts = apply_update(plan, grads, state_leaves, param_leaves, rows,
-                                               deferred, axes)
+    new_params, new_state, cuts, buffers = apply_update(plan, grads, state_leaves, param_leaves,
+                                                        rows, deferred, axes, staged)
     # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
     new_state = [jnp.asarray(new_state[k]).astype(jnp.result_type(state_leaves[k]))
                  for k in own_state]
     cuts = [jnp.asarray(c).astype(a.dtype) for c, a in zip(cuts, plan.cuts)]
-    return [new_params[i] for i in own_params], new_state, cuts
+    buffers = [buffers[i].astype(grads[i].dtype) for i in staged_leaves]
+    return [new_params[i] for i in own_params], new_state, cuts, buffers
 
   def keep(operands):
-    _, state_leaves, param_leaves = operands
+    grads, state_leaves, param_leaves = operands
     return ([param_leaves[i] for i in own_params], [state_leaves[k] for k in own_state],
-            [jnp.zeros(a.shape, a.dtype) for a in plan.cuts])
+            [jnp.zeros(a.shape, a.dtype) for a in plan.cuts], [grads[i] for i in staged_leaves])
 
   operands = (plan.params_def.flatten_up_to(state.pending_grads), state_leaves, param_leaves)
   if isinstance(state.has_pending, jax.core.Tracer):
-    own_new_params, own_new_state, cuts = jax.lax.cond(state.has_pending, apply, keep, operands)
+    own_new_params, own_new_state, cuts, staged_grads = jax.lax.cond(
+        state.has_pending, apply, keep, operands)
   else:  # eagerly, an eager cond would compile its freshly traced branches at every step
-    own_new_params, own_new_state, cuts = (apply if state.has_pending else keep)(operands)
+    own_new_params, own_new_state, cuts, staged_grads = (
+        apply if state.has_pending else keep)(operands)
   new_params, new_state = list(param_leaves), list(state_leaves)
   for i, p in zip(own_params, own_new_params):
     new_params[i] = p
   for k, x in zip(own_state, own_new_state):
     new_state[k] = x
+  buffers = list(operands[0])
+  for i, g in zip(staged_leaves, staged_grads):
+    buffers[i] = g
   return (jax.tree.unflatten(plan.params_def, new_params),
-          jax.tree.unflatten(plan.state_def, new_state), cuts)
+          jax.tree.unflatten(plan.state_def, new_state), cuts, buffers)
 
 
 def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
@@ -122,7 +137,7 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   axes = analysis.loop_plan.stacked
   rows = stacked_rows(plan, axes, jax.tree.leaves(state.opt_state),
                       plan.params_def.flatten_up_to(params))
-  params, opt_state, _ = apply_pending(plan, params, state, rows, axes=axes)
+  params, opt_state, _, _ = apply_pending(plan, params, state, rows, axes=axes)
 
   def body(acc, batch):
     value, acc = _accumulate.accumulate(scaled, has_aux, params, acc, *batch, analysis)
@@ -167,10 +182,11 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   grad_leaves = plan.params_def.flatten_up_to(state.pending_grads)
   state_leaves = jax.tree.leaves(state.opt_state)
   in_loop = where.in_loop
-  params, opt_state, cuts = apply_pending(plan, params, state, where.rows, in_loop, where.axes)
+  params, opt_state, cuts, buffers = apply_pending(plan, params, state, where.rows, in_loop,
+                                                   where.axes, where.staged)
   pre = {i: _pre_update(plan, i, grad_leaves, state_leaves, param_leaves, cuts,
                         state.has_pending, where.axes) for i in in_loop}
-  pending = jax.tree.unflatten(plan.params_def, grad_leaves)
+  pending = jax.tree.unflatten(plan.params_def, buffers)
   value, _, grads, updated = _fused_step.value_and_update(
       where.capture_plan, loss_fn, has_aux, params, pending, args, kwargs, update_params=False,
       loop_plan=where.loop_plan, pre_updates=pre)
@@ -195,6 +211,8 @@ class Placement(NamedTuple):
     in_loop: leaves updated row by row inside the forward loop that reads them.
     rows: other stacked leaves updated row by row, in place before the loss runs (the rest
       are updated whole before it).
+    staged: stacked leaves updated whole through their staged (clipped) gradient, which takes
+      over the pending gradient's buffer (``apply_pending``).
     axes: leaf -> stacked axis of every stacked leaf.
   """
 
@@ -202,6 +220,7 @@ class Placement(NamedTuple):
   loop_plan: _loops.LoopPlan
   in_loop: frozenset[int]
   rows: frozenset[int]
+  staged: frozenset[int] = frozenset()
 
   @property
   def axes(self) -> dict:
@@ -212,10 +231,12 @@ def placement(plan: Plan, loss_fn: Callable, params, state: ForwardState,
               args: tuple, kwargs: dict) -> Placement:
   """Decides, from shapes alone, where each leaf's pending update runs.
 
-  A stacked leaf whose update never mixes rows and would hold a full-size temporary whole
-  (``_apply.stacked_rows``) is updated row by row: inside the forward loop, each row just
-  before the layer reads it, when a backward loop captures its gradient rows outside
-  ``jax.checkpoint``, else before the loss. Every other leaf is updated whole before the loss.
+  A stacked leaf whose update is in place once its clipped gradient is staged
+  (``_apply.stacked_staged``) is updated whole through it. One whose update never mixes rows
+  and would hold a full-size temporary whole (``_apply.stacked_rows``) is updated row by row:
+  inside the forward loop, each row just before the layer reads it, when a backward loop
+  captures its gradient rows outside ``jax.checkpoint``, else before the loss. Every other leaf
+  is updated whole before the loss.
   """
   param_leaves = plan.params_def.flatten_up_to(params)
   grad_leaves = plan.params_def.flatten_up_to(state.pending_grads)
@@ -228,11 +249,12 @@ def placement(plan: Plan, loss_fn: Callable, params, state: ForwardState,
   # Inside ``jax.checkpoint`` the forward loop runs again in the backward pass: an update there
   # would be recomputed with fresh param and state stacks (measured: 1.05x optax's peak instead
   # of 0.97x for a checkpointed 16-layer stack), so those rows are updated before the loss.
-  by_rows = stacked_rows(plan, axes, state_leaves, param_leaves) & frozenset(diff)
+  staged = stacked_staged(plan, axes, param_leaves)
+  by_rows = stacked_rows(plan, axes, state_leaves, param_leaves) & frozenset(diff) - staged
   in_loop = frozenset(i for i in loop_plan.fused_leaves if i in by_rows
                       and i not in loop_plan.in_remat)
   rows = by_rows - in_loop
-  return Placement(capture_plan, loop_plan, in_loop, rows)
+  return Placement(capture_plan, loop_plan, in_loop, rows, staged)
 
 
 def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
@@ -320,7 +342,7 @@ class ForwardEngine:
   def flush(self, params, state):
     check_params(params)
     check_forward_state(self.tx, params, state)
-    params, opt_state, _ = apply_pending(self.plans(params, state.opt_state), params, state)
+    params, opt_state, _, _ = apply_pending(self.plans(params, state.opt_state), params, state)
     return params, no_pending(params, opt_state)
 
   def placements(self, loss_fn, params, state, args, kwargs):

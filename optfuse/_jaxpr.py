@@ -194,6 +194,42 @@ class _DirectDependencies(Dependencies):
       self.labels[v] = value
 
 
+def variable_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps]) -> dict:
+  """``output_dependencies`` for every top-level variable: variable -> its labels."""
+  walk = _DirectDependencies(jaxpr, set())
+  walk.run(jaxpr, [Deps()] * len(jaxpr.constvars), in_deps)
+  return walk.labels
+
+
+def split_at(jaxpr: jcore.Jaxpr, value: jcore.Var, replaced: jcore.Var
+             ) -> tuple[tuple[jcore.Jaxpr, list[bool]], tuple[jcore.Jaxpr, list[bool]]]:
+  """``jaxpr`` as two, at its top-level variable ``value``: a head from the invars to ``value``,
+  and a tail taking ``value`` in place of the invar ``replaced``, to the outvars.
+
+  The tail drops every equation that computes ``value`` from ``replaced``; the caller checks
+  (``direct_dependencies``) that the outputs read ``replaced`` only through ``value``. Both
+  come pruned, with which invars they read (``prune``); the tail's invar at ``replaced``'s
+  position is ``value``.
+  """
+  needed, head_eqns = {value}, set()
+  for k in range(len(jaxpr.eqns) - 1, -1, -1):
+    eqn = jaxpr.eqns[k]
+    if any(v in needed for v in eqn.outvars):
+      head_eqns.add(k)
+      needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+  depends = variable_dependencies(jaxpr, [Deps([0]) if v is replaced else Deps()
+                                          for v in jaxpr.invars])
+  # Equations of the head that do not read ``replaced`` (constants) stay in the tail too.
+  tail_eqns = [e for k, e in enumerate(jaxpr.eqns)
+               if k not in head_eqns or not any(depends.get(v) for v in e.outvars)]
+  effects = lambda eqns: jcore.no_effects.union(*(e.effects for e in eqns))
+  head = jcore.Jaxpr([], list(jaxpr.invars), [value], list(jaxpr.eqns),
+                     effects(jaxpr.eqns))
+  invars = [value if v is replaced else v for v in jaxpr.invars]
+  tail = jcore.Jaxpr([], invars, list(jaxpr.outvars), tail_eqns, effects(tail_eqns))
+  return prune(head, [True]), prune(tail, [True] * len(jaxpr.outvars))
+
+
 def direct_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps],
                         through: Sequence[Any]) -> list[Deps]:
   """``output_dependencies``, except that a value read through one of the top-level variables

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.extend import core as jcore
 
-from optfuse import _jaxpr, _rows
+from optfuse import _in_place, _jaxpr, _rows
 from optfuse._checks import is_tracing, signature
 
 
@@ -85,26 +85,6 @@ def _slots_only(group: LeafGroup) -> tuple[jcore.Jaxpr, tuple[bool, ...]]:
   jaxpr, used = _jaxpr.prune(group.jaxpr, [False] + [True] * len(group.state_outs))
   used = iter(used)
   return jaxpr, tuple(next(used) if r else False for r in group.reads)
-
-
-@functools.lru_cache(maxsize=1024)
-def _in_place_whole(group: LeafGroup, consts: int, n: int, m: int) -> bool:
-  """``Plan.in_place_whole`` of ``group`` (``consts``, ``n`` and ``m`` count the plan's
-  constants, params and state leaves): once per group."""
-  flat = [k for k, r in enumerate(group.reads) if r]
-  param = consts + n + m + group.leaf
-  label = {param: -1, **{consts + n + k: k for k in group.state_outs}}
-  own = {consts + group.leaf, *label}
-  # Cuts (the clipping factor) make a full-size clipped gradient; another leaf's param or state
-  # is overwritten by its own update while this one reads it (scalars such as Adam's count cost
-  # nothing to keep).
-  if any(k >= consts + 2 * n + m or (k >= consts and k not in own and v.aval.size > 1)
-         for k, v in zip(flat, group.jaxpr.invars)):
-    return False
-  in_deps = [_jaxpr.Deps([label[k]]) if k in label else _jaxpr.Deps() for k in flat]
-  outs = group.jaxpr.outvars
-  direct = _jaxpr.direct_dependencies(group.jaxpr, in_deps, outs[1:])
-  return all(reads <= {own} for reads, own in zip(direct, [-1, *group.state_outs]))
 
 
 class Plan(NamedTuple):
@@ -191,18 +171,40 @@ class Plan(NamedTuple):
         reads[c + 2 * n + m:])
 
   def in_place_whole(self, i: int) -> bool:
-    """Whether leaf ``i``'s whole update, run once its gradient exists, needs no more memory
-    than row by row: it reads no cut and no array of another leaf or state leaf, and each of
-    its outputs reads, of the buffers it overwrites (the param and its state slots), only its
-    own old value and the others' new values.
+    """Whether leaf ``i``'s whole update runs in place (``_in_place.in_place``): otherwise XLA
+    holds a full-size temporary (measured, the quick suite's scanned MLP in forward mode: Lion
+    9.55 MB whole, 8.02 MB row by row), which a row loop holds one row of."""
+    g = self.groups[i]
+    return _in_place.in_place(g.jaxpr, g.reads, i, g.state_outs, len(self.consts),
+                              self.num_params, self.num_state)
 
-    XLA then writes the new param and slots in place in a few elementwise passes, at optax's
-    speed. Otherwise it holds a full-size temporary (measured, the quick suite's scanned MLP
-    in forward mode: Lion, whose step reads the old momentum beside the new, 9.55 MB instead
-    of 8.02 MB; clipping, whose clipped gradient both of Adam's moments read, 11.64 MB instead
-    of 10.40 MB), which a row loop holds one row of.
-    """
-    return _in_place_whole(self.groups[i], len(self.consts), self.num_params, self.num_state)
+  def gradient_stage(self, i: int) -> tuple[tuple[jcore.Jaxpr, tuple[bool, ...]],
+                                            LeafGroup] | None:
+    """Leaf ``i``'s update split at its clipped gradient (``_in_place.gradient_stage``):
+    ``((head, reads), tail)``, the tail a ``LeafGroup`` reading it in the gradient's place."""
+    g = self.groups[i]
+    stage = _in_place.gradient_stage(g.jaxpr, g.reads, i, len(self.consts), self.num_params,
+                                     self.num_state)
+    return stage and (stage[0], LeafGroup(i, g.state_outs, *stage[1], True))
+
+  def staged_in_place(self, i: int) -> bool:
+    """Whether leaf ``i``'s update, once its clipped gradient is staged over the gradient's
+    buffer, runs whole in place (measured, that MLP with clipping: 10.27 MB staged, 11.64 MB
+    whole, 10.40 MB row by row)."""
+    stage = self.gradient_stage(i)
+    return stage is not None and _in_place.in_place(
+        stage[1].jaxpr, stage[1].reads, i, stage[1].state_outs, len(self.consts),
+        self.num_params, self.num_state)
+
+  def run_staged(self, i: int, grad, state, params, cuts) -> tuple[Any, Any, list[Any]]:
+    """``(staged, update, new_slots)`` of leaf ``i``: its ``gradient_stage``'s head, then the
+    tail from it."""
+    (head, head_reads), tail = self.gradient_stage(i)
+    grads = [None] * self.num_params
+    grads[i] = grad
+    grads[i], = self._eval(head, head_reads, grads, state, params, cuts)
+    out = self._eval(tail.jaxpr, tail.reads, grads, state, params, cuts)
+    return grads[i], out[0], list(out[1:])
 
   def run_group_slots(self, i: int, grad, state, params, cuts=()) -> list[Any]:
     """``new_state[groups[i].state_outs]`` of leaf ``i`` from its whole gradient, without its

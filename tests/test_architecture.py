@@ -19,7 +19,7 @@ LAYERS = [
     ["_fused_step", "_tap", "_loops", "_sites", "_fused_scan", "_scan_body", "_row_buffers",
      "_accumulate", "_apply"],
     ["_plan", "_split", "_global"],
-    ["_jaxpr", "_rows", "_row_rules"],
+    ["_jaxpr", "_rows", "_row_rules", "_in_place"],
     ["_checks", "_leaves", "_errors"],
 ]
 LAYER_OF = {module: depth for depth, modules in enumerate(LAYERS) for module in modules}

@@ -130,7 +130,9 @@ def test_forward_fusion_with_microbatches_accumulates_into_the_pending_buffer(na
 
 
 SCANNED = {**OPTIMIZERS, "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-           "ema_of_params": models.ema_of_params}
+           "ema_of_params": models.ema_of_params,
+           "clip_by_global_norm+lion": lambda: optax.chain(optax.clip_by_global_norm(0.5),
+                                                           optax.lion(1e-3))}
 
 
 @pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw", "lion", "sgd_momentum",
@@ -158,14 +160,16 @@ def _loops_in(jaxpr) -> int:
 
 
 @pytest.mark.parametrize("name,where", [("adamw", "leaf"), ("sgd_momentum", "leaf"),
-                                        ("lion", "loop"), ("clip_by_global_norm+adamw", "loop"),
+                                        ("clip_by_global_norm+adamw", "leaf"), ("lion", "loop"),
+                                        ("clip_by_global_norm+lion", "loop"),
                                         ("ema_of_params", "loop")])
 def test_forward_fusion_updates_scanned_layers_in_place_whole_or_inside_the_forward_loop(
     name, where):
   # Updated whole, AdamW's step is in place (it reads the old moments only through the new
-  # ones). Lion's reads the old momentum beside the new, clipping's both moments read the
-  # clipped gradient, ema_of_params' slots read the param: whole, each would hold a full-size
-  # temporary, so their rows are updated inside the forward loop.
+  # ones); with clipping too, once the clipped gradient has taken over the pending gradient's
+  # buffer. Lion's step reads the old momentum beside the new, ema_of_params' slots read the
+  # param: whole, each would hold a full-size temporary, so their rows are updated inside the
+  # forward loop.
   fx = optfuse.fuse(SCANNED[name](), mode="forward")
   params, (tokens, targets) = models.stacked_params(), models.tied_lm_batches()[0]
   assert optfuse.describe(fx, models.scanned_loss, params, tokens, targets) == {
@@ -208,11 +212,13 @@ def remat_stack_loss(params, tokens, targets):
 
 
 @pytest.mark.parametrize("name,where", [("adamw", "leaf"), ("lion", "rows"),
-                                        ("clip_by_global_norm+adamw", "rows"),
+                                        ("clip_by_global_norm+adamw", "leaf"),
+                                        ("clip_by_global_norm+lion", "rows"),
                                         ("ema_of_params", "rows")])
 def test_stacked_leaves_of_a_rematerialised_stack_are_updated_before_it(name, where):
   # Inside the checkpoint the forward loop runs again in the backward pass, so the rows are
-  # updated before the loss: whole and in place (adamw), or params and slots row by row.
+  # updated before the loss: whole and in place (adamw, clipped adamw), or params and slots
+  # row by row.
   tx = SCANNED[name]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
   fx = optfuse.fuse(tx, mode="forward")
@@ -267,9 +273,10 @@ def test_in_loop_forward_fusion_without_jit_matches_optax():
 
 def test_stacked_leaves_of_a_loop_too_short_to_fuse_are_updated_row_by_row_before_it():
   # Two layers: the backward loop keeps the stacked gradient (a loop needs 3 iterations to pay
-  # for its rows in flight), and clipped SGD's update (no slots; whole, the clipped gradient
-  # would be a full-size temporary) is applied row by row before the loop.
-  tx = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+  # for its rows in flight), and ema_of_params' update (no slots of its own: its average is
+  # state it reads beside the param, so neither in place whole nor staged) is applied row by
+  # row before the loop.
+  tx = models.ema_of_params()
   params, batches = models.stacked_params(layers=2), models.tied_lm_batches()
   tokens, targets = batches[0]
   fx = optfuse.fuse(tx, mode="forward")
