@@ -20,8 +20,8 @@ of the forward loop reads row ``l`` of the pending gradient, param and optimizer
 the new param and state rows in place and runs the layer on the new row (``_loops.PreUpdate``).
 That needs an update that never mixes rows (``_rows``; other stacked leaves are updated whole
 before the loop); inside ``jax.checkpoint``, and in loops too short to fuse, the rows are
-updated in place in a row loop before the loss (``_apply``). The global stage (clipping factor, all-finite flag) runs once
-before the loop; the rows read its result.
+updated in place in a row loop before the loss (``_apply``). The global stage (clipping
+factor, all-finite flag) runs once before the loop; the rows read its result.
 
 The new gradient is taken by a backward-fused step (``_backward``) of a transformation whose
 state is the last gradient: each leaf's gradient, and each row of a scanned leaf inside the
@@ -123,7 +123,8 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
                      state: ForwardState, args: tuple, kwargs: dict, microbatches: int):
   """A forward-fused step over ``microbatches`` slices of the batch: ``(value, params, state)``.
 
-  The pending update is applied first (row by row in place for stacked leaves), then every
+  The pending update is applied first (stacked leaves row by row in place, or whole in place
+  from their staged gradient, as the single-batch step does), then every
   microbatch adds its gradient to the new pending buffer inside its own backward pass
   (``_accumulate.accumulate``), in one loop: the loss is compiled once, as in optax's
   accumulation loop. The loss is divided by ``microbatches``, so the buffer ends with the mean
@@ -135,17 +136,20 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   batches = _accumulate.split(args, kwargs, k)
   analysis = _accumulate.analyze_loss(scaled, params, batches)
   axes = analysis.loop_plan.stacked
-  rows = stacked_rows(plan, axes, jax.tree.leaves(state.opt_state),
-                      plan.params_def.flatten_up_to(params))
-  params, opt_state, _, _ = apply_pending(plan, params, state, rows, axes=axes)
+  param_leaves = plan.params_def.flatten_up_to(params)
+  staged = stacked_staged(plan, axes, param_leaves)
+  rows = stacked_rows(plan, axes, jax.tree.leaves(state.opt_state), param_leaves) - staged
+  params, opt_state, _, buffers = apply_pending(plan, params, state, rows, axes=axes,
+                                                staged=staged)
 
   def body(acc, batch):
     value, acc = _accumulate.accumulate(scaled, has_aux, params, acc, *batch, analysis)
     return acc, value
 
-  # The new sum starts in the buffers of the pending gradient, once its update has read it.
-  zeros = jax.tree.map(lambda g, p: value_after(jnp.zeros_like(g), p, g), state.pending_grads,
-                       params)
+  # The new sum starts in the buffers of the pending gradient (of the staged gradients that
+  # took them over), once the update has read them.
+  zeros = jax.tree.map(lambda g, p: value_after(jnp.zeros_like(g), p, g),
+                       jax.tree.unflatten(plan.params_def, buffers), params)
   acc, values = lax.scan(body, zeros, batches)
   return (_accumulate.sum_value(values, has_aux), params,
           _next_state(opt_state, acc, state.pending_grads))

@@ -104,8 +104,9 @@ def scanned_loss_with_aux(params, tokens, targets):
 
 
 def test_forward_fusion_with_microbatches_of_a_scanned_model_matches_optax_accumulation():
-  # The pending update is applied row by row before the loop over microbatches, then each of
-  # the four adds its gradient into the new pending buffer inside its backward loop.
+  # The pending update is applied before the loop over microbatches (whole, from the clipped
+  # gradient staged over the pending buffer), then each of the four adds its gradient into the
+  # new pending buffer inside its backward loop.
   tx = OPTIMIZERS["clip_by_global_norm+adamw"]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
   expected = train_microbatches(tx, "off", params, batches, 20, scanned_loss_with_aux, 4, True)
