@@ -20,6 +20,17 @@ def plan_of(tx, params):
   return make_global_plan(tx, params, tx.init(params))
 
 
+def flat_inputs(tx):
+  """The plan of ``tx`` for ``stacked_params`` with flat gradients, state, params and cuts."""
+  params = stacked_params()
+  grads = jax.tree.map(lambda p: jnp.cos(p) * 3.0, params)
+  plan, state = plan_of(tx, params), tx.init(params)
+  flat_grads, flat_params = jax.tree.leaves(grads), jax.tree.leaves(params)
+  flat_state = jax.tree.leaves(state)
+  cuts, _ = plan.run_global(flat_grads, flat_state, flat_params)
+  return plan, flat_grads, flat_state, flat_params, cuts
+
+
 @pytest.mark.parametrize("tx", [optax.adamw(1e-2, weight_decay=1e-2), optax.lion(1e-3),
                                 optax.sgd(1e-2, momentum=0.9)], ids=["adamw", "lion", "sgdm"])
 def test_slots_that_read_only_their_gradient_and_state_are_updated_whole(tx):
@@ -43,12 +54,7 @@ def test_slots_that_read_the_param_or_the_global_stage_are_not_updated_whole(tx)
                                 optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))],
                          ids=["adamw", "ema_of_params", "clip_adam"])
 def test_run_group_slots_gives_the_slots_of_the_whole_update(tx):
-  params = stacked_params()
-  grads = jax.tree.map(lambda p: jnp.cos(p) * 3.0, params)
-  plan, state = plan_of(tx, params), tx.init(params)
-  flat_grads, flat_params = jax.tree.leaves(grads), jax.tree.leaves(params)
-  flat_state = jax.tree.leaves(state)
-  cuts, _ = plan.run_global(flat_grads, flat_state, flat_params)
+  plan, flat_grads, flat_state, flat_params, cuts = flat_inputs(tx)
   for i in range(plan.num_params):
     _, expected = plan.run_group(i, flat_grads[i], flat_state, flat_params, cuts)
     got = plan.run_group_slots(i, flat_grads[i], flat_state, flat_params, cuts)
@@ -112,12 +118,7 @@ def test_updates_that_read_a_cut_elsewhere_or_stay_out_of_place_are_not_staged_i
 @pytest.mark.parametrize("tx", [clip(optax.adamw(1e-2, weight_decay=1e-2)),
                                 clip(optax.lion(1e-3))], ids=["clip_adamw", "clip_lion"])
 def test_run_staged_gives_the_update_of_the_whole_group(tx):
-  params = stacked_params()
-  grads = jax.tree.map(lambda p: jnp.cos(p) * 3.0, params)
-  plan, state = plan_of(tx, params), tx.init(params)
-  flat_grads, flat_params = jax.tree.leaves(grads), jax.tree.leaves(params)
-  flat_state = jax.tree.leaves(state)
-  cuts, _ = plan.run_global(flat_grads, flat_state, flat_params)
+  plan, flat_grads, flat_state, flat_params, cuts = flat_inputs(tx)
   assert plan.cuts  # the global norm is a cut: several leaves
   for i in range(plan.num_params):
     expected = plan.run_group(i, flat_grads[i], flat_state, flat_params, cuts)
