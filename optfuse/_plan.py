@@ -185,7 +185,7 @@ class Plan(NamedTuple):
     g = self.groups[i]
     stage = _in_place.gradient_stage(g.jaxpr, g.reads, i, len(self.consts), self.num_params,
                                      self.num_state)
-    return stage and (stage[0], LeafGroup(i, g.state_outs, *stage[1], True))
+    return None if stage is None else (stage[0], LeafGroup(i, g.state_outs, *stage[1], True))
 
   def staged_in_place(self, i: int) -> bool:
     """Whether leaf ``i``'s update, once its clipped gradient is staged over the gradient's
