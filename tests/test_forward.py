@@ -137,12 +137,12 @@ SCANNED = {**OPTIMIZERS, "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
 
 
 @pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw", "lion", "sgd_momentum",
-                                  "ema_of_params"])
+                                  "ema_of_params", "clip_by_global_norm+lion"])
 def test_forward_fusion_of_a_scanned_model_matches_optax_over_50_steps(name):
   # The 4 stacked layers are updated whole and in place before the loss (adamw,
-  # sgd_momentum), or row by row in the forward loop: the params alone and their slots whole
-  # after the loop (lion), or both row by row (clipping: the slots read the clipping factor;
-  # ema_of_params: they read the param).
+  # sgd_momentum, and clipped adamw from its clipped gradient), or row by row in the forward
+  # loop: the params alone and their slots whole after the loop (lion), or both row by row
+  # (clipped lion: the slots read the clipping factor; ema_of_params: they read the param).
   tx = SCANNED[name]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=models.scanned_loss)
