@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optfuse import _checks, _split
+from optfuse import _checks, _jaxpr, _split
 from optfuse._backward import BackwardEngine
 from optfuse._engine import Engine
 from optfuse._errors import UnknownModeError
@@ -106,9 +106,11 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
 
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
-    return engine.step(loss_fn, has_aux, _checks.check_microbatches(microbatches))
+    step = engine.step(loss_fn, has_aux, _checks.check_microbatches(microbatches))
+    return _jaxpr.with_shared_scalars(step)
 
-  return FusedTransformation(engine.init, value_and_update, engine.flush, mode, tx, global_ops)
+  return FusedTransformation(engine.init, value_and_update,
+                             _jaxpr.with_shared_scalars(engine.flush), mode, tx, global_ops)
 
 
 def check_separable(tx: optax.GradientTransformation, params) -> None:

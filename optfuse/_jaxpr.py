@@ -13,9 +13,12 @@ only module that touches ``jax._src``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: DCE through cond/calls
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
@@ -269,5 +272,68 @@ def consts_as_inputs(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
 
 
 def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-  """Evaluates ``jaxpr`` on ``args`` (one per invar)."""
-  return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args)
+  """Evaluates ``jaxpr`` on ``args`` (one per invar), sharing scalar equations inside
+  ``shared_scalars``."""
+  if not _SHARED:
+    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args)
+  return _SharedEvaluator().run(jaxpr, consts, args)
+
+
+# The memo of every open ``shared_scalars`` block, innermost last.
+_SHARED: list[dict] = []
+
+
+@contextlib.contextmanager
+def shared_scalars() -> Iterator[None]:
+  """A block in which ``bind_shared`` binds each scalar equation once per trace and inputs.
+
+  Every leaf's slice of the update jaxpr (``_plan.LeafGroup``) holds the same scalar prelude:
+  Adam's incremented count and its bias corrections, a schedule's learning rate. Evaluated once
+  per leaf, a step's traced program holds that prelude once per leaf (XLA removes the copies,
+  after spending its compile time on them: measured on the quick suite's 10-leaf unrolled MLP,
+  702 StableHLO ops against optax's 552). A training step runs inside this block, so the
+  prelude is traced once per trace it is needed in. The memo keeps its inputs alive until the
+  block ends, so no input's ``id`` is reused while its entry stands.
+  """
+  _SHARED.append({})
+  try:
+    yield
+  finally:
+    _SHARED.pop()
+
+
+def with_shared_scalars(fn: Callable) -> Callable:
+  """``fn`` running inside its own ``shared_scalars`` block."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with shared_scalars():
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
+def _is_scalar(eqn: jcore.JaxprEqn) -> bool:
+  return not eqn.effects and all(
+      getattr(v.aval, "shape", None) == () for v in (*eqn.invars, *eqn.outvars))
+
+
+def bind_shared(eqn: jcore.JaxprEqn, ins: Sequence[Any]) -> list[Any]:
+  """``bind``, except that inside ``shared_scalars`` an effect-free equation on scalars, one of
+  them traced, returns the outputs of its first binding under the same trace on the same
+  inputs (the same equation on the same values: the same outputs)."""
+  if not _SHARED or not _is_scalar(eqn) or not any(isinstance(x, jax.core.Tracer) for x in ins):
+    return bind(eqn, ins)
+  with jcore.take_current_trace() as trace:
+    pass
+  key = (id(trace), *(id(v) for v in eqn.outvars), *(id(x) for x in ins))
+  memo = _SHARED[-1]
+  if key not in memo:
+    memo[key] = (trace, eqn, list(ins), bind(eqn, ins))
+  return memo[key][3]
+
+
+class _SharedEvaluator(Interpreter):
+  """Evaluates a jaxpr as ``jax.core.eval_jaxpr`` does, with ``bind_shared``."""
+
+  def default(self, eqn: jcore.JaxprEqn, ins: list) -> list:
+    return bind_shared(eqn, ins)

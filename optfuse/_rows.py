@@ -28,7 +28,7 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
-from optfuse._jaxpr import CALL_PRIMITIVES, Interpreter, bind, call_body
+from optfuse._jaxpr import CALL_PRIMITIVES, Interpreter, bind_shared, call_body
 from optfuse._row_rules import PATH_PRIMITIVES as PATH_PRIMITIVES
 from optfuse._row_rules import ROW_COMBINE as ROW_COMBINE
 from optfuse._row_rules import ROW_RULES as ROW_RULES
@@ -117,7 +117,7 @@ class _RowEvaluator(Interpreter):
     if any(isinstance(x, _Partial) for x in ins):
       raise NotRowwise(f"{eqn.primitive.name} of a reduction over the stacked axis")
     if not _has_rows(ins):
-      return bind(eqn, ins)
+      return bind_shared(eqn, ins)
     return _bind_rows(eqn, ins, self.index, self.length)
 
 
