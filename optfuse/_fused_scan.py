@@ -198,11 +198,7 @@ class _ForwardLoop(NamedTuple):
     body = self.body
     q_rows = body.body_rows([row_at(p, 0, a) for p, a in zip(pstacks, body.site.axes)], 0)
     xo_rows = [row_at(x, 0) for x in xs_other]
-    residuals = probe_residuals(body, consts, carry, q_rows, xo_rows)
-    if all(kind != "invariant" for kind, _ in residuals.sources):
-      return residuals, []  # no second trace of the body's VJP
-    _, pullback, _ = body.vjp(consts, carry, q_rows, xo_rows)
-    return residuals, residuals_of(residuals, pullback, "invariant")
+    return probe_residuals(body, consts, carry, q_rows, xo_rows)
 
 
 def _body(eqn: jcore.JaxprEqn, site: Site, is_param_x: list) -> Body:

@@ -84,12 +84,15 @@ class Body(NamedTuple):
     return merge(out_float, out_static, fout), pullback, [x for part in inputs for x in part]
 
 
-def probe_residuals(body: Body, consts, carry, q_rows, xo_rows) -> Residuals:
-  """Where each residual of the body's VJP comes from, decided once at trace time.
+def probe_residuals(body: Body, consts, carry, q_rows, xo_rows) -> tuple[Residuals, list]:
+  """Where each residual of the body's VJP comes from, decided once at trace time, and the
+  values of the loop-invariant ones.
 
   A residual that is an input of the iteration is read again in the backward; one that
   depends on the constants alone (found by following data dependencies through the traced
-  VJP) is computed once before the loop; the others are stacked by the forward loop.
+  VJP) is computed once before the loop; the others are stacked by the forward loop. The
+  invariant ones are evaluated from the probe's own jaxpr, pruned to them (a causal mask, a
+  rotary table), rather than from a second trace of the body's VJP.
   """
   found: list = []
 
@@ -118,7 +121,13 @@ def probe_residuals(body: Body, consts, carry, q_rows, xo_rows) -> Residuals:
       n_saved += 1
   nf = sum(body.fc), sum(body.fc) + sum(body.fk)
   needs_carry = any(kind == "input" and nf[0] <= k < nf[1] for kind, k in sources)
-  return Residuals(treedef, tuple(sources), needs_carry)
+  residuals = Residuals(treedef, tuple(sources), needs_carry)
+  keep = [kind == "invariant" for kind, _ in sources]
+  if not any(keep):
+    return residuals, []
+  pruned, reads = _jaxpr.prune(_jaxpr.consts_as_inputs(closed.jaxpr), keep)
+  flat = [*closed.consts, *jax.tree.leaves((consts, carry, q_rows, xo_rows))]
+  return residuals, _jaxpr.evaluate(pruned, (), [x for x, r in zip(flat, reads) if r])
 
 
 def residuals_of(residuals: Residuals, pullback, kind: str) -> list:
