@@ -296,7 +296,7 @@ def _stats_plan(graph: _Graph, c: int, n: int, global_outvars: Sequence,
 
 
 def make_global_plan(tx: optax.GradientTransformation, params, state,
-                     two_pass: bool = False) -> Plan:
+                     two_pass: bool = False, traced=None) -> Plan:
   """Traces ``tx.update`` for these params/state and splits it into global stage and groups.
 
   Args:
@@ -306,6 +306,7 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
     two_pass: also split the global stage into per-leaf statistics (``Plan.stats``) and
       check that every group's state can travel as a cotangent (float), as the two-pass backward
       step needs (``Plan.stats``).
+    traced: ``_split.trace_update(tx, params, state)``, when the caller has it already.
 
   Returns:
     The ``Plan``; for a separable transform it has no cuts and no global state.
@@ -323,7 +324,8 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
     >>> len(plan.cuts) > 0, plan.is_separable
     (True, False)
   """
-  closed, params_def, state_def, n, m, needs_loss = _split.trace_update(tx, params, state)
+  traced = _split.trace_update(tx, params, state) if traced is None else traced
+  closed, params_def, state_def, n, m, needs_loss = traced
   if needs_loss is not None:
     raise NonSeparableError(
         f"optfuse cannot split {needs_loss}: its update needs the loss (the extra arguments value, "

@@ -101,13 +101,14 @@ def paths(tree) -> list[str]:
           jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def make_plan(tx: optax.GradientTransformation, params, state) -> Plan:
+def make_plan(tx: optax.GradientTransformation, params, state, traced=None) -> Plan:
   """Traces ``tx.update`` for these params/state and splits it per leaf.
 
   Args:
     tx: any optax transformation.
     params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
     state: ``tx.init(params)`` or a state of the same structure.
+    traced: ``trace_update(tx, params, state)``, when the caller has it already.
 
   Returns:
     The ``Plan``, without a global stage.
@@ -115,7 +116,8 @@ def make_plan(tx: optax.GradientTransformation, params, state) -> Plan:
   Raises:
     NonSeparableError: the update of some leaf depends on the gradients of other leaves.
   """
-  closed, params_def, state_def, n, m, needs_loss = trace_update(tx, params, state)
+  traced = trace_update(tx, params, state) if traced is None else traced
+  closed, params_def, state_def, n, m, needs_loss = traced
   # Constants become leading inputs, so that pruning can drop the ones a leaf does not read.
   jaxpr, c = _jaxpr.consts_as_inputs(closed.jaxpr), len(closed.consts)
   in_deps = [frozenset()] * c + [frozenset([i]) for i in range(n)] + [frozenset()] * (

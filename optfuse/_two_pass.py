@@ -52,10 +52,11 @@ def make_plan(tx: optax.GradientTransformation, params, state) -> Plan:
     NonSeparableError: the global stage does not split into per-leaf statistics the backward pass
       can carry (see ``_global.make_global_plan``).
   """
+  traced = _split.trace_update(tx, params, state)  # once for both attempts
   try:
-    return _split.make_plan(tx, params, state)
+    return _split.make_plan(tx, params, state, traced)
   except NonSeparableError:
-    return _global.make_global_plan(tx, params, state, two_pass=True)
+    return _global.make_global_plan(tx, params, state, two_pass=True, traced=traced)
 
 
 def _carry(x):
