@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -274,13 +275,19 @@ def consts_as_inputs(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
 def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
   """Evaluates ``jaxpr`` on ``args`` (one per invar), sharing scalar equations inside
   ``shared_scalars``."""
-  if not _SHARED:
+  if not _memos():
     return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args)
   return _SharedEvaluator().run(jaxpr, consts, args)
 
 
-# The memo of every open ``shared_scalars`` block, innermost last.
-_SHARED: list[dict] = []
+_LOCAL = threading.local()
+
+
+def _memos() -> list[dict]:
+  """The memo of every ``shared_scalars`` block open in this thread, innermost last."""
+  if not hasattr(_LOCAL, "memos"):
+    _LOCAL.memos = []
+  return _LOCAL.memos
 
 
 @contextlib.contextmanager
@@ -295,11 +302,11 @@ def shared_scalars() -> Iterator[None]:
   prelude is traced once per trace it is needed in. The memo keeps its inputs alive until the
   block ends, so no input's ``id`` is reused while its entry stands.
   """
-  _SHARED.append({})
+  _memos().append({})
   try:
     yield
   finally:
-    _SHARED.pop()
+    _memos().pop()
 
 
 def with_shared_scalars(fn: Callable) -> Callable:
@@ -321,12 +328,12 @@ def bind_shared(eqn: jcore.JaxprEqn, ins: Sequence[Any]) -> list[Any]:
   """``bind``, except that inside ``shared_scalars`` an effect-free equation on scalars, one of
   them traced, returns the outputs of its first binding under the same trace on the same
   inputs (the same equation on the same values: the same outputs)."""
-  if not _SHARED or not _is_scalar(eqn) or not any(isinstance(x, jax.core.Tracer) for x in ins):
+  if not _memos() or not _is_scalar(eqn) or not any(isinstance(x, jax.core.Tracer) for x in ins):
     return bind(eqn, ins)
   with jcore.take_current_trace() as trace:
     pass
   key = (id(trace), *(id(v) for v in eqn.outvars), *(id(x) for x in ins))
-  memo = _SHARED[-1]
+  memo = _memos()[-1]
   if key not in memo:
     memo[key] = (trace, eqn, list(ins), bind(eqn, ins))
   return memo[key][3]
