@@ -277,7 +277,8 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> 
   ``shared_scalars``."""
   if not _memos():
     return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args)
-  return _SharedEvaluator().run(jaxpr, consts, args)
+  with jax.debug_nans(False):  # as ``jaxpr_as_fun``: ops that handle NaNs inside stay quiet
+    return _SharedEvaluator().run(jaxpr, consts, args)
 
 
 _LOCAL = threading.local()
