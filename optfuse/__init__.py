@@ -14,6 +14,7 @@ from optfuse._errors import NonSeparableError as NonSeparableError
 from optfuse._errors import OptfuseError as OptfuseError
 from optfuse._errors import ParamsStructureError as ParamsStructureError
 from optfuse._errors import StateMismatchError as StateMismatchError
+from optfuse._errors import TargetError as TargetError
 from optfuse._errors import UnknownModeError as UnknownModeError
 from optfuse._fit import FitReport as FitReport
 from optfuse._fit import max_batch_size as max_batch_size
@@ -23,8 +24,10 @@ from optfuse._forward_state import to_optax_state as to_optax_state
 from optfuse._fuse import FusedTransformation as FusedTransformation
 from optfuse._fuse import check_separable as check_separable
 from optfuse._fuse import fuse as fuse
+from optfuse._memory import DoesNotFit as DoesNotFit
 from optfuse._memory import MemoryReport as MemoryReport
 from optfuse._memory import memory_report as memory_report
+from optfuse._targets import targets as targets
 from optfuse._train_step import train_step as train_step
 
 __version__ = "0.1.0"

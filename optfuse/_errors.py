@@ -43,3 +43,13 @@ class BudgetError(OptfuseError, ValueError):
   Budgets are positive byte counts: an int, or a string such as "24GB", "80GiB" or "1.5 GB"
   (decimal kB, MB, GB, TB; binary KiB, MiB, GiB, TiB).
   """
+
+
+class TargetError(OptfuseError, ValueError):
+  """A compile target that optfuse does not know, or whose compiler is not installed.
+
+  Targets are the names of ``optfuse.targets()`` ("tpu-v5e", "tpu-v6e:2x2", "h100", "t4"...), a
+  ``jax.experimental.topologies.TopologyDescription``, a ``jax.sharding.Mesh`` or a sequence of
+  devices. The TPU compiler comes with ``pip install "optfuse[tpu]"`` (libtpu), the GPU compiler
+  with ``pip install "optfuse[cuda]"``.
+  """

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _checks, _fuse, _memory
+from optfuse import _checks, _fuse, _memory, _targets
 from optfuse._errors import BudgetError
 
 # Decimal units as XLA and ``format_bytes`` print them, binary ones as allocators count.
@@ -89,19 +89,29 @@ class FitReport(Mapping):
   compares equal to the dict of its batches.
 
   Attributes:
-    budget_bytes: the budget the batches fit, in bytes.
+    budget_bytes: the budget the batches fit, in bytes (per device).
+    budget_source: where the budget comes from ("given", or the target's memory).
+    target: the compile target's name ("cpu" for this machine's default backend).
     microbatches: the number of microbatches per step (batches are multiples of it), or ``None``.
     peaks: mode -> {batch: compiled peak bytes} for every batch the search compiled.
+    does_not_fit: mode -> {batch: the compiler's ``DoesNotFit``} for every batch the compiler
+      refused for want of memory (those batches are absent from ``peaks``).
     unavailable: mode -> why it could not be compiled.
   """
 
   def __init__(self, batches: Mapping[str, int], peaks: Mapping[str, Mapping[int, int]],
                unavailable: Mapping[str, str], budget_bytes: int,
-               microbatches: int | None = None):
+               microbatches: int | None = None, *,
+               does_not_fit: Mapping[str, Mapping[int, _memory.DoesNotFit]] | None = None,
+               target: str | None = None, budget_source: str = "given"):
     self._batches = dict(batches)
     self.peaks = {mode: dict(sorted(p.items())) for mode, p in peaks.items()}
+    self.does_not_fit = {mode: dict(sorted(r.items())) for mode, r in (does_not_fit or {}).items()
+                         if r}
     self.unavailable = dict(unavailable)
     self.budget_bytes = budget_bytes
+    self.budget_source = budget_source
+    self.target = target
     self.microbatches = microbatches
 
   def __getitem__(self, mode: str) -> int:
@@ -123,10 +133,15 @@ class FitReport(Mapping):
     rows = {}
     for mode, batch in self._batches.items():
       nxt, peaks = self.next_batch(mode), self.peaks[mode]
+      refused = self.does_not_fit.get(mode, {})
+      its_peak = (f"compiler: needs {_memory.format_bytes(refused[nxt].needed_bytes)}"
+                  if nxt in refused else _memory.format_bytes(peaks.get(nxt)))
       rows[mode] = [mode, str(batch), _memory.format_bytes(peaks.get(batch)), str(nxt),
-                    _memory.format_bytes(peaks.get(nxt)), str(len(peaks))]
+                    its_peak, str(len(peaks) + len(refused))]
     title = (f"largest batch within {_memory.format_bytes(self.budget_bytes)} "
              f"({self.budget_bytes} bytes) of compiled peak memory")
+    if self.target is not None:
+      title += f" per device on {self.target} ({self.budget_source})"
     if self.microbatches:
       title += f", in multiples of {self.microbatches} microbatches"
     return "\n".join([title, *_memory.mode_table(header, rows, self.unavailable)])
@@ -187,26 +202,89 @@ def _largest(fits: Callable[[int], bool]) -> int:
   return lo
 
 
+def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 1,
+                   guesses: Sequence[int] = (1, 2)) -> int:
+  """The largest ``k >= lower`` with ``peak(k) <= budget`` (``lower - 1`` if none), for a peak
+  that grows with ``k`` and is close to affine in it (a scanned model's depth).
+
+  ``peak(k)`` is the compiled peak, or ``None`` where the compiler refused ``k`` for want of
+  memory. The search asks ``guesses`` first (a good guess and the one after it answer in two
+  calls), then the secant through the two measured peaks nearest the boundary, kept strictly
+  between the largest ``k`` known to fit and the smallest known not to (bisection once the
+  secant has had three tries at a closed bracket). The answer is exact whatever the peaks:
+  ``k`` fits and ``k + 1`` does not, and each ``k`` is asked once.
+  """
+  known: dict[int, int | None] = {}
+
+  def fits(k: int) -> bool:
+    if k not in known:
+      known[k] = peak(k)
+    return known[k] is not None and known[k] <= budget
+
+  def secant() -> int:
+    measured = sorted((k for k in known if known[k] is not None),
+                      key=lambda k: (abs(k - lo), -k))[:2]
+    if len(measured) == 2:
+      a, b = measured
+      slope = (known[a] - known[b]) / (a - b)
+      if slope > 0:
+        return a + int((budget - known[a]) // slope)
+    return 2 * max(lo, 1) if hi is None else (lo + hi) // 2
+
+  lo, hi, queue, tries = lower - 1, None, [g for g in guesses if g >= lower], 3
+  while hi is None or hi - lo > 1:
+    if queue:
+      probe = queue.pop(0)
+    else:
+      probe = (lo + hi) // 2 if hi is not None and tries <= 0 else secant()
+    probe = max(probe, lo + 1) if hi is None else min(max(probe, lo + 1), hi - 1)
+    if fits(probe):
+      lo = probe
+    else:
+      hi = probe
+    tries -= hi is not None
+  return lo
+
+
+def resolve_budget(budget_bytes: int | float | str | None, target: _targets.Target | None
+                   ) -> tuple[int, str]:
+  """The budget in bytes and where it comes from: given, or the target's memory.
+
+  Raises:
+    BudgetError: no budget is given and the target's memory is unknown, or it cannot be read.
+  """
+  if budget_bytes is not None:
+    return parse_budget(budget_bytes), "given"
+  _, memory, source = _memory.target_budget(target)
+  if memory is None:
+    raise BudgetError(
+        "no memory budget given and the target's memory is unknown: pass budget_bytes (such as "
+        "'24GB'), or a target of optfuse.targets() such as target='tpu-v5e'.")
+  return memory, source
+
+
 def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: Any,
-                   args_for: Callable[[int], Any], budget_bytes: int | float | str, *,
-                   modes: Sequence[str] | None = None, global_ops: str | None = None,
-                   microbatches: int | None = None, progress: bool = True) -> FitReport:
+                   args_for: Callable[[int], Any], budget_bytes: int | float | str | None = None,
+                   *, target: Any = None, modes: Sequence[str] | None = None,
+                   global_ops: str | None = None, microbatches: int | None = None,
+                   progress: bool = True) -> FitReport:
   """The largest batch whose compiled training step fits ``budget_bytes``, per mode.
 
   For each mode, ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` is lowered
-  for ``params``, ``fx.init``'s state and ``args_for(b)``, compiled for the default backend, and
-  its peak (``argument + temp + output - alias`` bytes, as in ``optfuse.memory_report``) compared
-  with the budget. The batch doubles from 1 until the step no longer fits, then bisection finds
-  the boundary: about ``2 log2(b)`` compiles per mode, each (mode, b) compiled once. Nothing is
-  allocated or run, so ``params`` and the arguments may be ``jax.ShapeDtypeStruct``s of a model
-  that fits nowhere. The search assumes the peak grows with the batch; the step at the returned
-  batch fits the budget and the step at the next batch does not.
+  for ``params``, ``fx.init``'s state and ``args_for(b)``, compiled for the default backend or
+  ``target``, and its peak (``argument + temp + output - alias`` bytes, as in
+  ``optfuse.memory_report``) compared with the budget. A batch the compiler refuses for want of
+  memory (the TPU compiler checks its HBM) does not fit. The batch doubles from 1 until the
+  step no longer fits, then bisection finds the boundary: about ``2 log2(b)`` compiles per mode,
+  each (mode, b) compiled once. Nothing is allocated or run, so ``params`` and the arguments may
+  be ``jax.ShapeDtypeStruct``s of a model that fits nowhere. The search assumes the peak grows
+  with the batch; the step at the returned batch fits the budget and the step at the next batch
+  does not.
 
-  The figures are XLA's buffer assignment for the default backend: run this on the machine type
-  you will train on. Leave a margin on GPU: the allocator fragments memory, XLA reserves some
-  for itself (cuDNN and cuBLAS workspaces, the CUDA context), and JAX preallocates 75 % of the
-  GPU by default (``XLA_PYTHON_CLIENT_MEM_FRACTION``), so pass the memory your process will
-  actually get, less a few percent, not the card's size.
+  The figures are XLA's buffer assignment for the compiler of ``target``. On GPU targets the
+  default budget is the share of the device that JAX preallocates (75 %, or
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION``); leave a margin there: the allocator fragments memory and
+  cuDNN and cuBLAS take workspace the compiler does not count.
 
   Args:
     loss_fn: ``loss_fn(params, *args_for(b))``, as given to ``fx.value_and_update``; whether
@@ -216,8 +294,13 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     args_for: ``args_for(b)`` returns the loss's arguments after ``params`` for batch size
       ``b``: a tuple of arrays or ``jax.ShapeDtypeStruct``s (a single non-tuple value is the
       only argument). Their size must grow with ``b``.
-    budget_bytes: the memory budget: bytes, or a string such as "24GB", "80GiB", "1.5 GB"
-      (decimal kB, MB, GB, TB; binary KiB, MiB, GiB, TiB).
+    budget_bytes: the memory budget per device: bytes, or a string such as "24GB", "80GiB",
+      "1.5 GB" (decimal kB, MB, GB, TB; binary KiB, MiB, GiB, TiB). By default the target's
+      memory (``report.budget_source`` says which).
+    target: the compiler to compile for, as in ``optfuse.memory_report``: ``None`` (this
+      machine), a name of ``optfuse.targets()`` ("tpu-v5e", "h100"...), a ``Mesh``, a
+      ``TopologyDescription`` or a sequence of devices. On several devices the batch is split
+      over them (data parallel), so ``b`` is the global batch.
     modes: the modes to search, by default "off", "backward" and "forward".
     global_ops: passed to ``optfuse.fuse`` (``"two_pass"`` lets backward mode run clipping).
     microbatches: passed to ``fx.value_and_update``: each step splits its arguments into this
@@ -231,11 +314,14 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     A ``FitReport``: a mapping from mode to the largest batch that fits, 0 when the smallest
     batch (1, or ``microbatches``) does not. A mode that cannot run ``tx`` (a non-separable
     transform in backward mode without ``global_ops="two_pass"``) is left out and its reason
-    kept in ``report.unavailable``; ``report.peaks[mode]`` holds every compiled peak.
+    kept in ``report.unavailable``; ``report.peaks[mode]`` holds every compiled peak and
+    ``report.does_not_fit[mode]`` every refusal of the compiler.
 
   Raises:
-    BudgetError: ``budget_bytes`` cannot be read, or ``args_for(2 * k)`` is no larger than
-      ``args_for(k)`` (no budget would stop the search).
+    BudgetError: ``budget_bytes`` cannot be read, or is not given for a target whose memory is
+      unknown, or ``args_for(2 * k)`` is no larger than ``args_for(k)`` (no budget would stop
+      the search).
+    TargetError: ``target`` is unknown or its compiler is not installed.
     UnknownModeError: a mode or ``global_ops`` that ``optfuse.fuse`` does not know.
     MicrobatchError: ``microbatches`` is not a positive int or ``None``.
 
@@ -252,7 +338,8 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     >>> peaks[fit["backward"]] <= 4_000_000 < peaks[fit.next_batch("backward")]
     True
   """
-  budget = parse_budget(budget_bytes)
+  resolved = _targets.resolve(target)
+  budget, source = resolve_budget(budget_bytes, resolved)
   unit = _checks.check_microbatches(microbatches)
   modes = (modes,) if isinstance(modes, str) else tuple(_memory.MODES if modes is None else modes)
   fused = {mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops) for mode in modes}
@@ -263,25 +350,32 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
         "arrays or jax.ShapeDtypeStructs with a leading axis of size b.")
   has_aux = _memory.loss_has_aux(loss_fn, params, *_as_args(args_for(unit)))
   peaks: dict[str, dict[int, int]] = {mode: {} for mode in modes}
+  refused: dict[str, dict[int, _memory.DoesNotFit]] = {mode: {} for mode in modes}
   batches, unavailable = {}, {}
   bar = _Progress(progress)
 
-  def peak(mode: str, b: int) -> int:
-    if b not in peaks[mode]:
+  def fits(mode: str, b: int) -> bool:
+    if b not in peaks[mode] and b not in refused[mode]:
       bar.start(f"{mode}, batch {b}")
       lowered = _memory.lower_step(fused[mode], loss_fn, params, _as_args(args_for(b)),
-                                   has_aux=has_aux, microbatches=microbatches)
-      peaks[mode][b] = _memory.compiled_memory(lowered.compile())["peak_bytes"]
+                                   has_aux=has_aux, target=resolved, microbatches=microbatches)
+      memory = _memory.compile_memory(lowered)
+      if isinstance(memory, _memory.DoesNotFit):
+        refused[mode][b] = memory
+      else:
+        peaks[mode][b] = memory["peak_bytes"]
       bar.done()
-    return peaks[mode][b]
+    return b in peaks[mode] and peaks[mode][b] <= budget
 
   try:
     for mode in modes:
       try:
-        batches[mode] = unit * _largest(lambda k, mode=mode: peak(mode, unit * k) <= budget)
+        batches[mode] = unit * _largest(lambda k, mode=mode: fits(mode, unit * k))
       except _memory.UNAVAILABLE_ERRORS as e:
         unavailable[mode] = f"{type(e).__name__}: {e}"
-        del peaks[mode]
+        del peaks[mode], refused[mode]
   finally:
     bar.close()
-  return FitReport(batches, peaks, unavailable, budget, microbatches)
+  name = _memory.target_budget(resolved)[0]
+  return FitReport(batches, peaks, unavailable, budget, microbatches, does_not_fit=refused,
+                   target=name, budget_source=source)

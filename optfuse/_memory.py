@@ -7,17 +7,23 @@
 
 The peak is ``argument + temp + output - alias`` bytes: the step's inputs, its scratch buffers
 and its outputs, minus the outputs written into donated input buffers.
+
+``target=`` compiles for another accelerator's compiler (``optfuse._targets``: TPU v5e, H100...)
+without its hardware. A compiler that refuses a program for want of memory (the TPU compiler's
+``RESOURCE_EXHAUSTED ... exceeds available HBM``) answers "does not fit", with the bytes it says
+it needed, instead of raising.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
 
-from optfuse import _fuse
+from optfuse import _fuse, _placement, _targets
 from optfuse._errors import NonSeparableError
 
 MODES = ("off", "backward", "forward")
@@ -72,6 +78,46 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
   return {k: out[k] for k in FIELDS}
 
 
+class DoesNotFit(NamedTuple):
+  """A compiler's refusal of a program that needs more memory than the device has.
+
+  Attributes:
+    needed_bytes: what the compiler says the program needs (``None`` if it does not say).
+    available_bytes: what it says the device has (``None`` if it does not say).
+    message: the compiler's message.
+  """
+
+  needed_bytes: int | None
+  available_bytes: int | None
+  message: str
+
+  def __str__(self) -> str:
+    needed = format_bytes(self.needed_bytes) if self.needed_bytes else "more"
+    available = format_bytes(self.available_bytes) if self.available_bytes else "the device's"
+    return f"does not fit: the compiler needs {needed} of {available}"
+
+
+_SIZE = r"([\d.]+)([KMGT]?)i?B?"
+# The TPU compiler's two phrasings: "Used 16.65G of 15.75G hbm" and "the total memory required
+# for HLO temporaries (18.64G) exceeds available HBM (15.75G)". Its G are GiB.
+_OOM_PATTERNS = (re.compile(rf"[Uu]sed {_SIZE} of {_SIZE}"),
+                 re.compile(rf"\({_SIZE}\) exceeds available \w+ \({_SIZE}\)"))
+_BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def does_not_fit(error: BaseException) -> DoesNotFit | None:
+  """The ``DoesNotFit`` a compile error means, or ``None`` if it is not an out-of-memory."""
+  text = str(error)
+  if not isinstance(error, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in text:
+    return None
+  for pattern in _OOM_PATTERNS:
+    match = pattern.search(text)
+    if match:
+      n, u, m, v = match.groups()
+      return DoesNotFit(int(float(n) * _BINARY[u]), int(float(m) * _BINARY[v]), text.strip())
+  return DoesNotFit(None, None, text.strip())
+
+
 def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
   """Whether ``loss_fn`` returns a ``(loss, aux)`` pair, decided from its abstract output."""
   out = jax.eval_shape(loss_fn, params, *args, **kwargs)
@@ -80,7 +126,8 @@ def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
 
 def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
                kwargs: Mapping[str, Any] | None = None, has_aux: bool = False,
-               **step_options: Any) -> jax.stages.Lowered:
+               target: _targets.Target | None = None, **step_options: Any
+               ) -> jax.stages.Lowered:
   """Lowers ``jax.jit(fx.value_and_update(loss_fn, ...), donate_argnums=(0, 1))``.
 
   Args:
@@ -90,22 +137,45 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
     args: positional arguments of ``loss_fn`` (arrays or ``jax.ShapeDtypeStruct``s).
     kwargs: keyword arguments of ``loss_fn``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    target: a resolved compile target (``optfuse._targets.resolve``), or ``None`` for the
+      default backend with the inputs as given.
     **step_options: further keyword arguments of ``fx.value_and_update``.
 
   Returns:
-    The lowered step; its state argument is ``jax.eval_shape(fx.init, params)``.
+    The lowered step; its state argument is ``jax.eval_shape(fx.init, params)`` (on a target,
+    laid out as ``fx.init`` lays it out from the placed params).
   """
-  state = jax.eval_shape(fx.init, params)
+  kwargs = dict(kwargs or {})
+  if target is None:
+    state = jax.eval_shape(fx.init, params)
+  else:
+    params = _placement.place_params(params, target)
+    args, kwargs = _placement.place_batch((tuple(args), kwargs), target)
+    state = _placement.place_state(fx.init, params, target)
   step = fx.value_and_update(loss_fn, has_aux=has_aux, **step_options)
-  return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *args, **(kwargs or {}))
+  return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *args, **kwargs)
+
+
+def compile_memory(lowered: jax.stages.Lowered) -> dict[str, int] | DoesNotFit:
+  """The compiled memory of ``lowered``, or the compiler's ``DoesNotFit`` refusal."""
+  try:
+    return compiled_memory(lowered.compile())
+  except jax.errors.JaxRuntimeError as e:
+    refusal = does_not_fit(e)
+    if refusal is None:
+      raise
+    return refusal
 
 
 def mode_table(header: list[str], rows: Mapping[str, list[str]],
-               unavailable: Mapping[str, str]) -> list[str]:
+               unavailable: Mapping[str, str], refused: Mapping[str, Any] | None = None
+               ) -> list[str]:
   """Fixed-width lines: the header, then one line per mode in ``MODES`` order, the modes of
-  ``unavailable`` with the first sentence of their reason."""
+  ``unavailable`` with the first sentence of their reason, those of ``refused`` (the
+  compiler's ``DoesNotFit``) with what the compiler needed."""
+  refused = refused or {}
   widths = [max(len(cells[i]) for cells in [header, *rows.values()]) for i in range(len(header))]
-  widths[0] = max([widths[0], *map(len, unavailable)])
+  widths[0] = max([widths[0], *map(len, unavailable), *map(len, refused)])
   fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip()
   lines = [fmt(header)]
   for mode in MODES:
@@ -113,6 +183,8 @@ def mode_table(header: list[str], rows: Mapping[str, list[str]],
       lines.append(fmt(rows[mode]))
     elif mode in unavailable:
       lines.append(fmt([mode, f"unavailable: {first_sentence(unavailable[mode])}"]))
+    elif mode in refused:
+      lines.append(fmt([mode, str(refused[mode])]))
   return lines
 
 
@@ -120,15 +192,26 @@ class MemoryReport(Mapping):
   """Compiled memory per mode: ``report[mode]`` is a dict with the keys of ``FIELDS`` (bytes).
 
   Modes that cannot run this optimizer are absent from the mapping; ``unavailable`` maps them to
-  the reason (the exception's name and message). ``str(report)`` is a table.
+  the reason (the exception's name and message). Modes the compiler refused for want of memory
+  are absent too; ``does_not_fit`` maps them to the refusal. ``str(report)`` is a table.
 
   Attributes:
     unavailable: mode -> why it could not be compiled.
+    does_not_fit: mode -> the compiler's ``DoesNotFit`` (the bytes it needed).
+    target: the compile target's name ("cpu" for this machine's default backend).
+    budget_bytes: the memory one device may use on that target, or ``None`` if unknown.
+    budget_source: where ``budget_bytes`` comes from.
   """
 
-  def __init__(self, rows: Mapping[str, Mapping[str, int]], unavailable: Mapping[str, str]):
+  def __init__(self, rows: Mapping[str, Mapping[str, int]], unavailable: Mapping[str, str],
+               does_not_fit: Mapping[str, DoesNotFit] | None = None, target: str | None = None,
+               budget_bytes: int | None = None, budget_source: str = "unknown"):
     self._rows = {mode: dict(row) for mode, row in rows.items()}
     self.unavailable = dict(unavailable)
+    self.does_not_fit = dict(does_not_fit or {})
+    self.target = target
+    self.budget_bytes = budget_bytes
+    self.budget_source = budget_source
 
   def __getitem__(self, mode: str) -> dict[str, int]:
     return self._rows[mode]
@@ -139,15 +222,36 @@ class MemoryReport(Mapping):
   def __len__(self) -> int:
     return len(self._rows)
 
+  def fits(self, mode: str) -> bool | None:
+    """Whether ``mode``'s step fits the target's budget (``None``: no budget is known).
+
+    Raises:
+      KeyError: ``mode`` was not compiled (unavailable, or not a mode).
+    """
+    if mode in self.does_not_fit:
+      return False
+    peak = self._rows[mode]["peak_bytes"]
+    return None if self.budget_bytes is None else peak <= self.budget_bytes
+
   def table(self) -> str:
     """The report as a fixed-width text table, one line per mode."""
     header = ["mode", "peak", "temp", "arguments", "outputs", "aliased", "peak vs off"]
+    budget = self.budget_bytes is not None
+    if budget:
+      header.append("fits")
     base = self._rows["off"]["peak_bytes"] if "off" in self._rows else None
     rows = {}
     for mode, row in self._rows.items():
       ratio = f"{row['peak_bytes'] / base:.2f}x" if base else "-"
       rows[mode] = [mode, *(format_bytes(row[k]) for k in FIELDS), ratio]
-    return "\n".join(mode_table(header, rows, self.unavailable))
+      if budget:
+        rows[mode].append("yes" if self.fits(mode) else "no")
+    lines = mode_table(header, rows, self.unavailable, self.does_not_fit)
+    if self.target is not None:
+      within = (f", budget {format_bytes(self.budget_bytes)} per device ({self.budget_source})"
+                if budget else "")
+      lines.append(f"compiled for {self.target}{within}")
+    return "\n".join(lines)
 
   def __str__(self) -> str:
     return self.table()
@@ -156,26 +260,45 @@ class MemoryReport(Mapping):
     return f"MemoryReport(\n{self.table()}\n)"
 
 
+def target_budget(target: _targets.Target | None) -> tuple[str, int | None, str]:
+  """The name, per-device budget and budget source of a resolved target (``None``: default)."""
+  if target is None:
+    return (jax.default_backend(), *_targets.default_budget())
+  return target.name, target.memory_bytes, target.memory_source
+
+
 def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: Any, *args: Any,
-                  **kwargs: Any) -> MemoryReport:
+                  target: Any = None, **kwargs: Any) -> MemoryReport:
   """Compiled memory of the optax step and of the fused steps, without running anything.
 
   Each mode's step is ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` lowered
   for ``params``, ``fx.init``'s state and ``args``/``kwargs``, then compiled for the default
-  backend. Whether ``loss_fn`` returns ``(loss, aux)`` is read from its abstract output.
+  backend or for ``target``. Whether ``loss_fn`` returns ``(loss, aux)`` is read from its
+  abstract output.
 
   Args:
     loss_fn: ``loss_fn(params, *args, **kwargs)``, as given to ``fx.value_and_update``.
     tx: the optax transformation.
     params: params or their ``jax.ShapeDtypeStruct``s.
     *args: positional arguments of ``loss_fn``: arrays or ``jax.ShapeDtypeStruct``s.
+    target: the compiler to compile for (a reserved keyword, not passed to ``loss_fn``):
+      ``None`` for this machine's default backend, a name of ``optfuse.targets()``
+      ("tpu-v5e", "tpu-v5e:2x2", "h100", "t4"...), a ``jax.sharding.Mesh``, a
+      ``TopologyDescription`` or a sequence of devices. Memory is per device; on several
+      devices the step is data parallel unless the inputs carry their own shardings.
     **kwargs: keyword arguments of ``loss_fn``.
 
   Returns:
     A ``MemoryReport``: a mapping from "off", "backward", "forward" to dicts with
     ``peak_bytes``, ``temp_bytes``, ``argument_bytes``, ``output_bytes`` and ``alias_bytes``.
     A mode that cannot run ``tx`` (a non-separable transform in backward mode, a mode this
-    version does not implement) is left out and its reason kept in ``report.unavailable``.
+    version does not implement) is left out and its reason kept in ``report.unavailable``; a
+    mode the compiler refused for want of memory is left out and kept in
+    ``report.does_not_fit``. ``report.fits(mode)`` compares each peak with the target's memory.
+
+  Raises:
+    TargetError: ``target`` is unknown or its compiler is not installed (the message names the
+      pip extra that installs it).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -186,14 +309,19 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     >>> report["off"]["argument_bytes"] >= 3 * 512 * 512 * 4  # params, mu and nu
     True
   """
+  resolved = _targets.resolve(target)
   has_aux = loss_has_aux(loss_fn, params, *args, **kwargs)
-  rows, unavailable = {}, {}
+  rows, unavailable, refused = {}, {}, {}
   for mode in MODES:
     try:
       fx = _fuse.fuse(tx, mode=mode)
-      compiled = lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux).compile()
+      memory = compile_memory(lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
+                                         target=resolved))
     except UNAVAILABLE_ERRORS as e:
       unavailable[mode] = f"{type(e).__name__}: {e}"
       continue
-    rows[mode] = compiled_memory(compiled)
-  return MemoryReport(rows, unavailable)
+    if isinstance(memory, DoesNotFit):
+      refused[mode] = memory
+    else:
+      rows[mode] = memory
+  return MemoryReport(rows, unavailable, refused, *target_budget(resolved))

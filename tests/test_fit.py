@@ -121,12 +121,26 @@ def test_a_budget_string_reaches_the_search_as_bytes():
 
 
 @pytest.mark.parametrize("budget", ["", "GB", "24 parsecs", "-1GB", "1.2.3GB", "1e3GB", "0.1B",
-                                    "24 G B", 0, -5, True, None, float("nan"), float("inf"),
-                                    [24]])
+                                    "24 G B", 0, -5, True, float("nan"), float("inf"), [24]])
 def test_a_bad_budget_raises_budget_error_before_compiling(budget):
   with pytest.raises(optfuse.BudgetError) as e:
     optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, budget)
   assert isinstance(e.value, ValueError) and repr(budget)[:10] in str(e.value)
+
+
+def test_without_a_budget_the_default_backend_s_memory_is_the_budget(monkeypatch):
+  from optfuse import _targets
+  monkeypatch.setattr(_targets, "host_memory_bytes", lambda: 1000)
+  fit = optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, modes=["off"], progress=False)
+  assert fit.budget_bytes == 1000 and fit.budget_source == "this machine's physical memory"
+  assert fit == {"off": 0} and "per device on cpu" in fit.table()
+
+
+def test_without_a_budget_an_unknown_memory_is_a_budget_error(monkeypatch):
+  from optfuse import _targets
+  monkeypatch.setattr(_targets, "host_memory_bytes", lambda: None)
+  with pytest.raises(optfuse.BudgetError, match="no memory budget given"):
+    optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, modes=["off"])
 
 
 def test_arguments_that_do_not_grow_with_the_batch_raise_budget_error():

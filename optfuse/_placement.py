@@ -1,0 +1,81 @@
+"""Where a step's inputs live on a compile target: ``jax.ShapeDtypeStruct``s with shardings.
+
+A compile-only device has no memory to put an array in, so a step compiled for a target is
+lowered from ``jax.ShapeDtypeStruct``s that carry a sharding on the target's devices. By default
+the step is data parallel: params and optimizer state replicated on every device, each argument
+split along its leading axis over all devices (replicated when that axis does not divide). A
+leaf that already carries a ``NamedSharding`` on exactly the target's devices keeps it, so an
+FSDP layout given on a target's mesh is compiled as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from optfuse._targets import Target
+
+
+def _is_array_like(x: Any) -> bool:
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "__jax_array__") or (
+      hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _kept(x: Any, target: Target) -> NamedSharding | None:
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and set(sharding.mesh.devices.flat) == set(
+      target.devices):
+    return sharding
+  return None
+
+
+def _struct(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def replicated(target: Target) -> NamedSharding:
+  """Every device holds the whole array."""
+  return NamedSharding(target.mesh, PartitionSpec())
+
+
+def place_params(tree: Any, target: Target) -> Any:
+  """Params (or state) on ``target``: replicated unless they carry a sharding of its devices."""
+  rep = replicated(target)
+  return jax.tree.map(lambda x: _struct(x, _kept(x, target) or rep) if _is_array_like(x) else x,
+                      tree)
+
+
+def place_batch(tree: Any, target: Target) -> Any:
+  """Arguments on ``target``: split along the leading axis over every device where it divides."""
+  n, rep = len(target.devices), replicated(target)
+  split = NamedSharding(target.mesh, PartitionSpec("devices"))
+
+  def place(x):
+    if not _is_array_like(x):
+      return x
+    kept = _kept(x, target)
+    if kept is not None:
+      return _struct(x, kept)
+    return _struct(x, split if x.shape and x.shape[0] % n == 0 else rep)
+
+  return jax.tree.map(place, tree)
+
+
+def place_state(init: Callable[[Any], Any], params: Any, target: Target) -> Any:
+  """The state ``init(params)`` builds, laid out as the compiler propagates it from ``params``.
+
+  ``jax.eval_shape`` keeps no shardings, so ``init`` is compiled (it is cheap: zeros) and its
+  output shardings read back: state like a param is sharded like it; what depends on no param
+  (the step count) is replicated on the target, where JAX would have put it on its default
+  device.
+  """
+  shapes = jax.eval_shape(init, params)
+  shardings = jax.jit(init).lower(params).compile().output_shardings
+  rep, devices = replicated(target), set(target.devices)
+  return jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(
+          s.shape, s.dtype, sharding=sh if set(sh.device_set) <= devices else rep),
+      shapes, shardings)

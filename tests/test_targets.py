@@ -1,0 +1,249 @@
+"""Compile targets: memory reports and fits for the TPU and GPU compilers, without their hardware.
+
+The tests marked ``targets`` compile for TPU v5e (libtpu) and for NVIDIA GPUs (the CUDA plugin)
+from ``jax.ShapeDtypeStruct``s; each skips, saying which extra to install, when its compiler is
+absent. The rest check the registry, the parsing of compiler refusals and the search on their own.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optfuse
+from optfuse import _fit, _memory, _targets
+
+needs_tpu = pytest.mark.skipif(not _targets.compiler_installed("tpu"),
+                               reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
+needs_cuda = pytest.mark.skipif(not _targets.compiler_installed("cuda"),
+                                reason='the GPU compiler is not installed: '
+                                'pip install -e ".[cuda]"')
+
+# 16 layers: the stacked gradient is 16 layer rows, against the few rows a fused loop holds.
+LAYERS, DIM, BATCH = 16, 128, 8
+
+
+def _scanned_params(dim=DIM, layers=LAYERS):
+  return {"embed": jax.ShapeDtypeStruct((64, dim), jnp.float32),
+          "layers": {"w": jax.ShapeDtypeStruct((layers, dim, dim), jnp.float32),
+                     "b": jax.ShapeDtypeStruct((layers, dim), jnp.float32)}}
+
+
+def _scanned_loss(params, x):
+  def body(h, layer):
+    return jnp.tanh(h @ layer["w"] + layer["b"]), None
+
+  h, _ = jax.lax.scan(body, x @ params["embed"], params["layers"])
+  return jnp.mean(h**2)
+
+
+def _batch(b, dim=DIM):
+  return jax.ShapeDtypeStruct((b, 64), jnp.float32)
+
+
+# --- the registry and the refusals, no compiler needed ---------------------------------------
+
+def test_targets_name_the_accelerators_colab_and_clouds_rent():
+  names = set(optfuse.targets())
+  assert {"tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4", "t4", "l4", "a100-40gb", "a100-80gb",
+          "h100"} <= names
+
+
+def test_an_unknown_target_is_a_target_error_that_lists_the_known_ones():
+  with pytest.raises(optfuse.TargetError, match="unknown compile target 'tpu-v9'.*tpu-v5e"):
+    optfuse.memory_report(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch(2),
+                          target="tpu-v9")
+
+
+def test_an_unreadable_topology_is_a_target_error():
+  with pytest.raises(optfuse.TargetError, match="cannot read the topology"):
+    _targets.resolve("tpu-v5e:two-by-two")
+
+
+@pytest.mark.parametrize("name, extra", [("tpu-v5e", "tpu"), ("h100", "cuda")])
+def test_a_target_whose_compiler_is_missing_names_the_extra_to_install(monkeypatch, name, extra):
+  _targets._named.cache_clear()
+  monkeypatch.setattr(_targets, "compiler_installed", lambda platform: False)
+  with pytest.raises(optfuse.TargetError, match=rf'pip install -e "\.\[{extra}\]"'):
+    optfuse.max_batch_size(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch,
+                           target=name)
+  _targets._named.cache_clear()
+
+
+def test_something_that_is_no_target_is_a_target_error():
+  with pytest.raises(optfuse.TargetError, match="a target is None, a name"):
+    _targets.resolve(42)
+
+
+@pytest.mark.parametrize("message, needed, available", [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+     "temporaries (18.64G) exceeds available HBM (15.75G).", 18.64, 15.75),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+     "hbm. Used 16.65G of 15.75G hbm. Exceeded hbm capacity by 922.70M.", 16.65, 15.75),
+])
+def test_a_compiler_out_of_memory_reads_as_does_not_fit_with_the_bytes_it_needed(
+    message, needed, available):
+  refusal = _memory.does_not_fit(jax.errors.JaxRuntimeError(message))
+  # The TPU compiler's "G" are GiB; two decimals of them are ~10 MB, hence the rounding.
+  assert refusal.needed_bytes == int(needed * 2**30)
+  assert refusal.available_bytes == int(available * 2**30)
+  assert str(refusal).startswith("does not fit: the compiler needs")
+
+
+def test_other_compile_errors_are_not_read_as_out_of_memory():
+  assert _memory.does_not_fit(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: bad")) is None
+  assert _memory.does_not_fit(ValueError("RESOURCE_EXHAUSTED")) is None
+
+
+def test_a_gpu_budget_is_the_share_jax_preallocates(monkeypatch):
+  size = int(__import__("re").search(r"device_memory_size:\s*(\d+)",
+                                     _targets.gpu_config("h100.txtpb")).group(1))
+  assert _targets._gpu_memory("h100.txtpb")[0] == int(0.75 * size)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+  assert _targets._gpu_memory("h100.txtpb")[0] == int(0.9 * size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.integers(0, 1000), slope=st.integers(0, 60), budget=st.integers(0, 6000),
+       wobble=st.lists(st.integers(0, 40), min_size=400, max_size=400),
+       refused_from=st.one_of(st.none(), st.integers(1, 300)),
+       guess=st.integers(1, 300))
+def test_the_affine_search_is_exact_for_any_monotone_peak_and_asks_each_point_once(
+    base, slope, budget, wobble, refused_from, guess):
+  peaks = np.cumsum(wobble) + base + slope * np.arange(400)
+  asked = []
+
+  def peak(k):
+    asked.append(k)
+    if k >= 400 or (refused_from and k >= refused_from):
+      return None
+    return int(peaks[k])
+
+  fits = lambda k: 1 <= k < 400 and not (refused_from and k >= refused_from) and (
+      peaks[k] <= budget)
+  got = _fit.largest_affine(peak, budget, 1, (guess, guess + 1))
+  assert (got == 0 and not fits(1)) or (fits(got) and not fits(got + 1))
+  assert len(asked) == len(set(asked))
+
+
+def test_an_affine_peak_is_found_in_four_compiles():
+  asked = []
+  got = _fit.largest_affine(lambda k: asked.append(k) or 1000 + 37 * k, 5000, 1, (4, 8))
+  assert got == 108 and asked == [4, 8, 108, 109]
+
+
+# --- the TPU compiler (libtpu), deviceless ---------------------------------------------------
+
+@needs_tpu
+@pytest.mark.targets
+@pytest.mark.parametrize("name", ["tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4"])
+def test_each_tpu_budget_is_the_hbm_limit_its_compiler_states(name):
+  target = _targets.resolve(name)
+  big = jax.ShapeDtypeStruct((120_000, 120_000), jnp.float32,
+                             sharding=jax.sharding.SingleDeviceSharding(target.devices[0]))
+  refusal = _memory.compile_memory(jax.jit(lambda x: x @ x + 1).lower(big))
+  assert isinstance(refusal, _memory.DoesNotFit)
+  # The compiler prints two decimals of GiB.
+  assert abs(refusal.available_bytes - target.memory_bytes) < 0.01 * 2**30
+
+
+@pytest.fixture(scope="module")
+def v5e_report():
+  # d=2048: the TPU compiler keeps small temporaries out of HBM (at d=1024 neither step
+  # reports any temp), so a smaller stack shows nothing to save.
+  return optfuse.memory_report(_scanned_loss, optax.adamw(1e-3), _scanned_params(2048),
+                               _batch(BATCH), target="tpu-v5e")
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_memory_report_compiles_every_mode_for_tpu_v5e_within_its_hbm(v5e_report):
+  assert set(v5e_report) == {"off", "backward", "forward"}
+  assert v5e_report.target == "tpu-v5e"
+  assert v5e_report.budget_bytes == int(15.75 * 2**30)
+  assert all(v5e_report.fits(mode) for mode in v5e_report)
+  assert "compiled for tpu-v5e" in v5e_report.table()
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_backward_fusion_saves_the_stacked_gradient_on_the_tpu_compiler(v5e_report):
+  stacked = LAYERS * (2048 * 2048 + 2048) * 4
+  saved = v5e_report["off"]["peak_bytes"] - v5e_report["backward"]["peak_bytes"]
+  # The loop writes each layer's rows in place: all of the stacked gradient but a layer's rows.
+  assert saved >= 0.8 * stacked
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_a_model_too_big_for_the_tpu_is_answered_does_not_fit_per_mode():
+  params = _scanned_params(8192, layers=16)  # 4.3 GB of params, 13 GB with AdamW's moments
+  report = optfuse.memory_report(_scanned_loss, optax.adamw(1e-3), params,
+                                 jax.ShapeDtypeStruct((8, 64), jnp.float32), target="tpu-v5e")
+  assert "off" in report.does_not_fit and not report.fits("off")
+  refusal = report.does_not_fit["off"]
+  assert refusal.needed_bytes > refusal.available_bytes == report.budget_bytes
+  assert "does not fit: the compiler needs" in report.table()
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_max_batch_size_on_tpu_needs_no_budget_and_reads_refusals_as_not_fitting():
+  params = _scanned_params(256)
+  args_for = lambda b: (jax.ShapeDtypeStruct((b, 256, 64), jnp.float32),)
+
+  def loss(p, x):
+    return _scanned_loss(p, x.reshape(-1, 64))
+
+  fit = optfuse.max_batch_size(loss, optax.adamw(1e-3), params, args_for, target="tpu-v5e",
+                               modes=["backward"], progress=False)
+  assert fit.budget_bytes == int(15.75 * 2**30) and "HBM" in fit.budget_source
+  b = fit["backward"]
+  assert b > 1000 and fit.peaks["backward"][b] <= fit.budget_bytes
+  nxt = fit.next_batch("backward")
+  assert nxt in fit.does_not_fit.get("backward", {}) or fit.peaks["backward"][nxt] > (
+      fit.budget_bytes)
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_a_topology_of_four_chips_reports_per_device_and_splits_the_batch():
+  one = optfuse.memory_report(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch(4),
+                              target="tpu-v5e")
+  four = optfuse.memory_report(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch(16),
+                               target="tpu-v5e:2x2")
+  assert len(_targets.resolve("tpu-v5e:2x2").devices) == 4
+  # Each device holds the whole (replicated) params and a quarter of the batch of 16.
+  assert four["off"]["argument_bytes"] == one["off"]["argument_bytes"]
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_a_mesh_or_topology_the_user_holds_is_a_target():
+  from jax.experimental import topologies
+  topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1",
+                                          chips_per_host_bounds=(1, 1, 1))
+  mesh = jax.sharding.Mesh(np.array(topology.devices), ("data",))
+  by_name = optfuse.memory_report(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch(4),
+                                  target="tpu-v5e")
+  for target in (topology, mesh, topology.devices):
+    report = optfuse.memory_report(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch(4),
+                                   target=target)
+    assert report["backward"] == by_name["backward"]
+    assert report.budget_bytes == by_name.budget_bytes
+
+
+# --- the GPU compiler (the CUDA plugin), deviceless -------------------------------------------
+
+@needs_cuda
+@pytest.mark.targets
+@pytest.mark.parametrize("name", ["t4", "l4", "a100-40gb", "a100-80gb", "h100", "h200"])
+def test_each_gpu_description_compiles_and_backward_fusion_saves_the_stacked_gradient(name):
+  report = optfuse.memory_report(_scanned_loss, optax.adamw(1e-3), _scanned_params(1024),
+                                 _batch(BATCH), target=name)
+  stacked = LAYERS * (1024 * 1024 + 1024) * 4
+  assert report["off"]["peak_bytes"] - report["backward"]["peak_bytes"] >= 0.8 * stacked
+  assert report.fits("off") and "XLA_PYTHON_CLIENT_MEM_FRACTION" in report.budget_source
