@@ -170,3 +170,21 @@ def test_the_fit_batch_is_the_leading_axis_of_every_batch_leaf():
   args = bench_fit.batch_args(model, 5)
   assert [a.shape for a in args] == [(5, bench_fit.TINY_DECODER.seq)] * 2
   assert [a.dtype for a in args] == [leaf.dtype for leaf in model.batch]
+
+
+def test_what_fits_finds_the_largest_depth_per_mode_and_reuses_the_cache(tmp_path, monkeypatch):
+  from optfuse.bench import _what_fits
+  monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path / "cache.json"))
+  tiny = bench_fit.TINY_DECODER
+  first = _what_fits.run(["cpu"], ("layers",), progress=False, config=tiny, budget=2_000_000)
+  by_mode = {r["mode"]: r for r in first}
+  for row in first:
+    # Exact: the depth fits the budget, one more layer does not.
+    assert row["peak_at_max"] <= 2_000_000 < row["next_peak"], row
+  # Backward fusion never holds the stacked gradient: it fits at least as many layers.
+  assert by_mode["backward"]["max"] >= by_mode["off"]["max"] >= 1
+  assert first[0]["new_compiles"] > 0
+  again = _what_fits.run(["cpu"], ("layers",), progress=False, config=tiny, budget=2_000_000)
+  assert again[0]["new_compiles"] == 0 and [r["max"] for r in again] == [r["max"] for r in first]
+  line = _what_fits.lines(first)[0]
+  assert f"optax {by_mode['off']['max']} layers" in line and "backward fusion" in line

@@ -1,5 +1,5 @@
-"""The command line of the benchmark: ``python -m optfuse.bench [--quick|--fsdp|--fit BUDGET]
-[--out DIR]``."""
+"""The command line of the benchmark: ``python -m optfuse.bench [--quick|--memory|--fsdp|
+--what-fits|--fit [BUDGET]] [--target NAMES] [--out DIR]``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import sys
 import time
 from collections.abc import Sequence
 
-from optfuse._errors import BudgetError
+from optfuse import _targets
+from optfuse._errors import BudgetError, TargetError
 from optfuse._fit import parse_budget
-from optfuse.bench import _fit, _fsdp, _report, _suite
+from optfuse.bench import _fit, _fsdp, _report, _suite, _what_fits
 
 
-def _budget(text: str) -> int:
+def _budget(text: str) -> int | str:
+  if text == "target":
+    return text
   try:
     return parse_budget(text)
   except BudgetError as e:
@@ -30,6 +33,18 @@ def _fit_models(text: str) -> tuple[str, ...]:
   return names
 
 
+def _target_names(text: str) -> tuple[str, ...]:
+  names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+  for name in names:
+    try:
+      _what_fits.resolve(name)
+    except TargetError as e:
+      raise argparse.ArgumentTypeError(str(e)) from None
+  if not names:
+    raise argparse.ArgumentTypeError("name at least one target")
+  return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m optfuse.bench",
@@ -37,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       "steps against the plain optax step, on the default JAX backend.")
   size = parser.add_mutually_exclusive_group()
   size.add_argument("--quick", action="store_const", dest="suite", const="quick",
-                    help="small models, about 90 CPU-seconds (the README's main job)")
+                    help="small models, led by what fits on this machine and TPU v5e (the "
+                    "README's main job)")
   size.add_argument("--memory", action="store_const", dest="suite", const="memory",
                     help="only the compile-only memory of the 1.3B and 6.6B scanned decoders")
   size.add_argument("--loops", action="store_const", dest="suite", const="loops",
@@ -49,9 +65,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   size.add_argument("--fsdp", action="store_const", dest="suite", const="fsdp",
                     help="only the compile-only memory per device of a scanned decoder under "
                     "FSDP on 8 simulated CPU devices (in a subprocess); see --fsdp-size")
-  size.add_argument("--fit", metavar="BUDGET", type=_budget,
+  size.add_argument("--fit", metavar="BUDGET", type=_budget, nargs="?", const="target",
                     help="the largest batch per mode whose compiled step (AdamW) fits BUDGET "
-                    "(24GB, 80GiB, 1.5 GB...), compile-only, for the --fit-models")
+                    "(24GB, 80GiB, 1.5 GB...; by default each --target's memory), compile-only, "
+                    "for the --fit-models")
+  size.add_argument("--what-fits", action="store_const", dest="suite", const="what_fits",
+                    help="per --target: the largest d=2048 scanned decoder (layers at batch 1, "
+                    "batch at 24 layers) that fits with optax and with backward fusion")
+  parser.add_argument("--target", metavar="NAMES", type=_target_names,
+                      help="comma-separated compile targets for the compile-only parts: cpu "
+                      f"(this machine), {', '.join(_targets.SPECS)}, optionally with a topology "
+                      "(tpu-v5e:2x2). Default: cpu, and tpu-v5e where libtpu is installed "
+                      "(--quick, --what-fits); cpu otherwise")
+  parser.add_argument("--no-cache", action="store_true",
+                      help="recompile the what-fits searches instead of reading the disk cache "
+                      "of compile-only peaks (optfuse/bench/_cache.py)")
   parser.add_argument("--fsdp-size", choices=sorted(_fsdp.SIZES), default="16l",
                       help="the decoder of --fsdp: tiny (4x64, seconds), 16l (16x1024 T512 B8, "
                       "the default), 1.3b (24x2048 T2048 B8)")
@@ -65,18 +93,35 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.fit_models and args.fit is None:
     parser.error("--fit-models needs --fit BUDGET")
-  start = time.perf_counter()
+  if args.fit == "target" and not args.target:
+    parser.error("--fit without a BUDGET needs --target: the budget is each target's memory")
+  start, progress = time.perf_counter(), not args.no_progress
   if args.suite == "fsdp":
-    rows = _fsdp.run(args.fsdp_size, progress=not args.no_progress)
+    rows = _fsdp.run(args.fsdp_size, progress=progress)
     write, markdown, footer = _fsdp.write, _fsdp.markdown, ""
   elif args.fit is not None:
     names = args.fit_models or _fit.DEFAULT_MODELS
-    rows = _fit.run_fit(names, args.fit, progress=not args.no_progress)
+    budget = None if args.fit == "target" else args.fit
+    rows = [row for target in args.target or ("cpu",)
+            for row in _fit.run_fit(names, budget, progress=progress,
+                                    target=_what_fits.resolve(target))]
     write, markdown = _report.write_fit, _report.fit_markdown
     footer = f"(--fit {', '.join(names)}: {time.perf_counter() - start:.0f} s)"
+  elif args.suite == "what_fits":
+    rows = _what_fits.run(args.target or _what_fits.default_targets(), ("layers", "batch"),
+                          use_cache=not args.no_cache, progress=progress)
+    write, markdown = _report.write_what_fits, _report.what_fits_markdown
+    footer = f"(--what-fits: {time.perf_counter() - start:.0f} s)"
   else:
     suite = _suite.SUITES[args.suite or "full"]()
-    rows = _suite.run_suite(suite, progress=not args.no_progress)
+    targets = args.target or ("cpu",)
+    fits = []
+    if suite.name == "quick":
+      fits = _what_fits.run(args.target or _what_fits.default_targets(),
+                            use_cache=not args.no_cache, progress=progress)
+    rows = _suite.run_suite(suite, progress=progress,
+                            targets=tuple(_what_fits.resolve(t) for t in targets))
+    rows += [{**row, **{k: rows[0][k] for k in _suite.ENV_KEYS}} for row in fits]
     write, markdown = _report.write, _report.markdown
     footer = f"({suite.name} suite: {time.perf_counter() - start:.0f} s)"
   if args.out:

@@ -57,9 +57,11 @@ def batch_args(model: Model, b: int) -> tuple:
                                 for leaf in model.batch))
 
 
-def run_fit(names: Sequence[str], budget: int | str, progress: bool = True
-            ) -> list[dict[str, Any]]:
+def run_fit(names: Sequence[str], budget: int | str | None, progress: bool = True,
+            target: Any = None) -> list[dict[str, Any]]:
   """The largest batch of every mode of each named model with AdamW; one row per mode.
+
+  ``target`` is a compile target (``None``: this machine); ``budget`` ``None`` is its memory.
 
   A mode that cannot run AdamW is recorded as unavailable; any other exception as a failure
   (``row["failed"]``), so that the other models still run and the command exits with an error.
@@ -70,16 +72,17 @@ def run_fit(names: Sequence[str], budget: int | str, progress: bool = True
   for name in names:
     model, seq, description = models[name]
     base = {"section": "fit", "model": name, "description": description, "optimizer": "adamw",
-            "seq": seq, **env}
+            "seq": seq, **env, "target": getattr(target, "name", None) or env["backend"]}
     try:
       fit = optfuse.max_batch_size(model.loss, optax.adamw(1e-3), _models.abstract(model.params),
                                    lambda b, model=model: batch_args(model, b), budget,
-                                   progress=progress)
+                                   target=target, progress=progress)
     except Exception as e:  # a library bug: recorded, the command then exits with an error
       rows += [{**base, "mode": mode, "failed": _suite._reason(e)} for mode in _memory.MODES]
       continue
     for mode in _memory.MODES:
-      row = {**base, "mode": mode, "budget_bytes": fit.budget_bytes}
+      row = {**base, "mode": mode, "budget_bytes": fit.budget_bytes,
+             "budget_source": fit.budget_source}
       if mode in fit:
         batch, nxt = fit[mode], fit.next_batch(mode)
         row.update(max_batch=batch, tokens_per_step=None if seq is None else batch * seq,

@@ -12,6 +12,7 @@ import matplotlib.patches
 from matplotlib.figure import Figure
 
 from optfuse._memory import format_bytes
+from optfuse.bench import _what_fits
 
 FLOOR_NOTE = (
     "Floor (estimate): optax's compiled peak minus the whole gradient plus the gradient that must "
@@ -30,7 +31,12 @@ def _ratio(x: float | None) -> str:
 
 
 def _label(row: dict[str, Any]) -> str:
-  return f"{row['model']}/{row['optimizer']}"
+  on = f" on {row['target']}" if row.get("section") == "memory" and row.get("target") else ""
+  return f"{row['model']}/{row['optimizer']}{on}"
+
+
+def _fits(row: dict[str, Any]) -> str:
+  return "-" if row.get("budget_bytes") is None else ("yes" if row.get("fits") else "no")
 
 
 # (header, right-aligned, cell) of the two tables.
@@ -58,6 +64,8 @@ _MEMORY_COLUMNS = (
     ("peak vs floor", True, lambda r: _ratio(r["peak_vs_floor"])),
     ("saved / stacked gradient", True,
      lambda r: "-" if r.get("saved_of_stacked") is None else f"{r['saved_of_stacked']:.0%}"),
+    ("fits", True, _fits),
+    ("target", False, lambda r: r.get("target", "-")),
 )
 
 
@@ -111,7 +119,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[str]:
   out = ["**What this run shows** (backward fusion against optax):", ""]
   if scanned:
     out.append("- scanned models, compiled peak memory: " + ", ".join(
-        f"`{r['model']}`/{r['optimizer']} {r['peak_ratio']:.2f}x" for r in scanned))
+        f"`{_label(r)}` {r['peak_ratio']:.2f}x" for r in scanned))
   if unrolled:
     out.append("- unrolled models under jit, compiled peak memory: "
                + _range([r["peak_ratio"] for r in unrolled])
@@ -168,6 +176,11 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += [f"**Busy machine**: the load average ({max(loads)}) exceeded the {env['cpu_count']} "
             "CPUs, so other processes shared them: step and compile times are noisy (compiled "
             "memory is exact).", ""]
+  fits = [r for r in rows if r["section"] == "fits"]
+  if fits:
+    out += ["**What fits** (compile-only, so exact and deterministic for these versions: the "
+            "largest depth whose step fits each target's memory, one layer more does not):", "",
+            *_what_fits.lines(fits), ""]
   out += summary(rows)
   timing = [r for r in rows if r["section"] == "timing"]
   if timing:
@@ -175,7 +188,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         "### Step time, compile time and compiled peak memory, fused vs optax (mode `off`)",
         "Step: median time per step over interleaved runs after warm-up. Time vs optax: median "
         "over the rounds of the ratio of back-to-back runs. Compile: trace, lower and compile, "
-        "the median of interleaved compiles when the suite makes several (the quick suite 3), "
+        "the median of interleaved compiles when the suite makes several (`--loops`, `--full`: 3), "
         "and its ratio the median over rounds.",
         _TIMING_COLUMNS, timing)
   memory = [r for r in rows if r["section"] == "memory"]
@@ -183,8 +196,9 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += _section(
         "### Compile-only memory (large models, nothing allocated)",
         "adamw, float32, `optfuse.memory_report` on `jax.ShapeDtypeStruct` inputs: nothing is "
-        "allocated, the numbers are XLA's buffer assignment for this backend.",
-        _MEMORY_COLUMNS, memory)
+        "allocated, the numbers are XLA's buffer assignment by each target's compiler (per "
+        "device), and the floor is computed from optax's peak on the same compiler.",
+        _MEMORY_COLUMNS, memory, measured="peak_bytes")
   return "\n".join([*out, PEAK_NOTE, "", FLOOR_NOTE]) + "\n"
 
 
@@ -199,6 +213,7 @@ _FIT_COLUMNS = (
     ("next batch", True, lambda r: str(r["next_batch"])),
     ("its peak", True, lambda r: format_bytes(r["next_peak_bytes"])),
     ("compiles", True, lambda r: str(r["compiles"])),
+    ("target", False, lambda r: r.get("target", "-")),
 )
 
 MARGIN_NOTE = (
@@ -210,11 +225,15 @@ MARGIN_NOTE = (
 
 def fit_markdown(rows: Sequence[dict[str, Any]]) -> str:
   """The ``--fit`` results as Markdown: the largest batch per model and mode, the notes."""
-  env, budget = rows[0], next((r["budget_bytes"] for r in rows if "budget_bytes" in r), None)
+  env = rows[0]
+  budgets = {(r["target"], r["budget_bytes"], r.get("budget_source", "given")) for r in rows
+             if "budget_bytes" in r}
+  within = "; ".join(f"{format_bytes(b)} ({b} bytes) on {t}" + ("" if s == "given" else f" ({s})")
+                     for t, b, s in sorted(budgets, key=str))
   out = [f"## optfuse.bench `--fit`: jax {env['jax_version']}, optax {env['optax_version']}, "
          f"backend {env['backend']} ({env['device_kind']}, {env['device_count']} device(s))", ""]
   out += _section(
-      f"### Largest batch whose compiled step fits {format_bytes(budget)} ({budget} bytes)",
+      f"### Largest batch whose compiled step fits {within} per device",
       "adamw, float32, `optfuse.max_batch_size` on `jax.ShapeDtypeStruct` inputs (doubling, "
       "then bisection; nothing is allocated): the step at the max batch fits, the step at the "
       "next batch does not. Tokens per step: max batch x sequence length.",
@@ -236,6 +255,23 @@ def write_tables(rows: Sequence[dict[str, Any]], out_dir: str, stem: str,
   with open(paths["md"], "w") as f:
     f.write(render(rows))
   return paths
+
+
+def what_fits_markdown(rows: Sequence[dict[str, Any]]) -> str:
+  """The ``--what-fits`` results: one line per target, then the table."""
+  env = rows[0]
+  return "\n".join([
+      f"## optfuse.bench `--what-fits`: jax {env['jax_version']}, optax {env['optax_version']}",
+      "", "Compile-only (exact and deterministic for these versions): a scanned remat decoder "
+      "of width 2048 (16 heads, ff=8192, vocab 32000), AdamW, float32 params, T=2048. Layers: "
+      "the most layers that fit at batch 1; batch: the largest batch at 24 layers (the 1.3B "
+      "decoder). Each fits the target's memory per device and one more does not.", "",
+      *_what_fits.lines(rows), "", _what_fits.markdown(rows), MARGIN_NOTE]) + "\n"
+
+
+def write_what_fits(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
+  """Writes ``what_fits.json`` and ``what_fits.md`` into ``out_dir``; returns name -> path."""
+  return write_tables(rows, out_dir, "what_fits", what_fits_markdown)
 
 
 def write_fit(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:

@@ -139,7 +139,7 @@ def smoke_suite() -> Suite:
 
 
 def quick_suite() -> Suite:
-  """About 90 CPU-seconds, most of it XLA compiling: under two minutes on two CPU cores.
+  """About a minute on two CPU cores, most of it XLA compiling.
 
   Compiling dominates on CPU (several CPU-seconds per mode for a small transformer, whatever
   its size), so the quick suite sweeps the models with adamw and the optimizers on the scanned
@@ -157,8 +157,10 @@ def quick_suite() -> Suite:
   # the scanned MLP's AdamW row (``--full`` sweeps them); clipping shows forward and two-pass.
   scan_mlp = _models.scan_mlp(depth=8, width=256, inputs=128, batch=64)
   cells = _grid(models, ["adamw"]) + _grid([scan_mlp], ["adamw", "clip_adamw"])
+  # One compile per mode: compiling is most of the suite's time, and the main job now also
+  # compiles for the targets (``_what_fits``); ``--loops`` and ``--full`` take three rounds.
   return Suite("quick", tuple(cells), _large_decoders()[:1], rounds=11, warmup=2,
-               min_run_s=0.015, compile_rounds=3)
+               min_run_s=0.015, compile_rounds=1)
 
 
 # The scanned-model forms of ``_forms`` at the size the loop-fusion issue measured them.
@@ -217,6 +219,11 @@ def full_suite() -> Suite:
 
 SUITES = {"smoke": smoke_suite, "quick": quick_suite, "memory": memory_suite,
           "gpt": gpt_suite, "loops": loops_suite, "full": full_suite}
+
+
+ENV_KEYS = ("jax_version", "optax_version", "optfuse_version", "backend", "device_kind",
+            "device_count", "python", "machine", "cpu_count", "suite", "load_average_start",
+            "load_average_end")
 
 
 def environment() -> dict[str, Any]:
@@ -309,38 +316,50 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
   return [rows[mode] for mode in modes]
 
 
-def run_large(model: Model) -> list[dict[str, Any]]:
-  """Compile-only memory of a model with adamw in every mode; allocates nothing."""
+def run_large(model: Model, target: Any = None) -> list[dict[str, Any]]:
+  """Compile-only memory of a model with adamw in every mode, for ``target``'s compiler
+  (``None``: this machine); allocates nothing. The floor comes from the same compiler."""
   params = _models.abstract(model.params)
   stacked = _models.grad_bytes(params["layers"]) if "layers" in params else None
   base = {"section": "memory", "model": model.name, "description": model.description,
           "optimizer": "adamw", "grad_bytes": _models.grad_bytes(params),
-          "stacked_grad_bytes": stacked}
+          "stacked_grad_bytes": stacked,
+          "target": getattr(target, "name", target) or jax.default_backend()}
   try:
     report = _memory.memory_report(model.loss, optax.adamw(1e-3), params,
-                                   *_models.abstract(model.batch))
+                                   *_models.abstract(model.batch), target=target)
   except Exception as e:  # a library bug: recorded, the command then exits with an error
     return [{**base, "mode": mode, "failed": _reason(e)} for mode in _memory.MODES]
-  floor = floor_bytes(model, params, report["off"])
+  off = report["off"]["peak_bytes"] if "off" in report else None
+  floor = floor_bytes(model, params, report["off"]) if off else None
   rows = []
   for mode in _memory.MODES:
-    row = {**base, "mode": mode}
-    if mode in report:
-      saved = report["off"]["peak_bytes"] - report[mode]["peak_bytes"]
-      row.update(report[mode], peak_ratio=report[mode]["peak_bytes"] / report["off"]["peak_bytes"],
-                 floor_bytes=floor, peak_vs_floor=report[mode]["peak_bytes"] / floor,
-                 saved_of_stacked=saved / stacked if stacked else None)
+    row = {**base, "mode": mode, "target": report.target,
+           "budget_bytes": report.budget_bytes, "fits": mode in report and report.fits(mode)}
+    if mode in report.does_not_fit:
+      row["unavailable"] = str(report.does_not_fit[mode])
+    elif mode in report:
+      peak = report[mode]["peak_bytes"]
+      row.update(report[mode], peak_ratio=peak / off if off else None, floor_bytes=floor,
+                 peak_vs_floor=peak / floor if floor else None,
+                 saved_of_stacked=(off - peak) / stacked if stacked and off else None)
     else:
       row["unavailable"] = _memory.first_sentence(report.unavailable[mode])
     rows.append(row)
   return rows
 
 
-def run_suite(suite: Suite, progress: bool = True) -> list[dict[str, Any]]:
-  """Measures every cell and large model of ``suite``; returns the rows with the environment."""
+def run_suite(suite: Suite, progress: bool = True, targets: tuple[Any, ...] = (None,)
+              ) -> list[dict[str, Any]]:
+  """Measures every cell and large model of ``suite``; returns the rows with the environment.
+
+  The cells are timed on this machine; the large models are compiled for each of ``targets``
+  (``None``: this machine).
+  """
   env = {**environment(), "suite": suite.name, "load_average_start": _load_average()}
   jobs = [(f"{c.model.name}/{c.optimizer}", lambda c=c: run_cell(c, suite)) for c in suite.cells]
-  jobs += [(f"{m.name}/adamw (compile only)", lambda m=m: run_large(m)) for m in suite.large]
+  jobs += [(f"{m.name}/adamw on {t or 'this machine'} (compile only)",
+            lambda m=m, t=t: run_large(m, t)) for t in targets for m in suite.large]
   rows = []
   with tqdm(jobs, desc=f"optfuse.bench {suite.name}", unit="cell", disable=not progress) as bar:
     for label, job in bar:

@@ -1,0 +1,178 @@
+"""What fits: the largest scanned decoder per compile target, with optax and with optfuse.
+
+For a scanned remat decoder of width 2048 (16 heads, ff=8192, vocab 32000, AdamW, float32
+params; the 1.3B decoder's layer), two searches per target and mode, compile-only:
+
+- depth: the most layers whose step fits the target's memory at batch 1, T=2048;
+- batch: the largest batch whose step fits at 24 layers (the 1.3B decoder), T=2048.
+
+Both use ``optfuse._fit.largest_affine``: a scanned model's peak is close to affine in its depth
+and its batch, so a search takes about four compiles, two when a previous target's fit guesses
+right; the answer is exact (it fits, one more does not). Peaks come from the disk cache of
+``_cache`` where the same code and compilers measured them before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optax
+from tqdm.auto import tqdm
+
+from optfuse import _fit, _fuse, _memory, _targets
+from optfuse.bench import _cache, _models, _suite
+from optfuse.bench._models import DecoderConfig
+
+WIDE = _suite.DECODER_1_3B
+MODES = ("off", "backward")
+LABELS = {"off": "optax", "backward": "backward fusion"}
+
+
+def default_targets() -> tuple[str, ...]:
+  """This machine, and TPU v5e (Colab's TPU) where the TPU compiler is installed."""
+  return ("cpu", "tpu-v5e") if _targets.compiler_installed("tpu") else ("cpu",)
+
+
+def resolve(name: str) -> _targets.Target | None:
+  """A target of the command line: "cpu" is this machine's default backend."""
+  return None if name in ("cpu", "host", "default") else _targets.resolve(name)
+
+
+class Peaks:
+  """Compiled peaks of (target, mode, config), from the cache or the compiler."""
+
+  def __init__(self, use_cache: bool = True, bar: tqdm | None = None):
+    self.cached = _cache.load() if use_cache else {}
+    self.new: dict[str, Any] = {}
+    self.use_cache, self.bar, self.compiles = use_cache, bar, 0
+
+  def __call__(self, name: str, mode: str, c: DecoderConfig) -> int | None:
+    """The compiled peak, or ``None`` when the compiler refused the program (out of memory)."""
+    key = _cache.key("decoder-remat-adamw", name, mode, tuple(c))
+    if key in self.cached:
+      return self.cached[key]
+    if self.bar is not None:
+      self.bar.set_postfix_str(f"{name} {mode} {c.layers}L B{c.batch}")
+    model = _models.decoder(c, scanned=True, remat=True)
+    lowered = _memory.lower_step(_fuse.fuse(optax.adamw(1e-3), mode=mode), model.loss,
+                                 _models.abstract(model.params), _models.abstract(model.batch),
+                                 target=resolve(name))
+    memory = _memory.compile_memory(lowered)
+    peak = None if isinstance(memory, _memory.DoesNotFit) else memory["peak_bytes"]
+    self.cached[key] = self.new[key] = peak
+    self.compiles += 1
+    if self.bar is not None:
+      self.bar.update()
+    return peak
+
+  def save(self) -> None:
+    if self.use_cache and self.new:
+      _cache.store(self.new)
+
+
+def _guesses(previous: dict[int, int | None], budget: int, default: tuple[int, int]
+             ) -> tuple[int, int]:
+  """The affine fit of another target's peaks, read at this target's budget."""
+  points = sorted(k for k, p in previous.items() if p is not None)
+  if len(points) < 2 or previous[points[-1]] == previous[points[0]]:
+    return default
+  a, b = points[0], points[-1]
+  slope = (previous[b] - previous[a]) / (b - a)
+  guess = max(1, a + math.floor((budget - previous[a]) / slope))
+  return guess, guess + 1
+
+
+def search(name: str, mode: str, axis: str, peaks: Peaks, budget: int,
+           previous: dict[int, int | None] | None, config: DecoderConfig = WIDE
+           ) -> tuple[int, dict[int, int | None]]:
+  """The largest depth (``axis="layers"``) or batch (``"batch"``) of ``config`` that fits
+  ``budget``."""
+  seen: dict[int, int | None] = {}
+  base = config._replace(batch=1) if axis == "layers" else config
+
+  def peak(k: int) -> int | None:
+    seen[k] = peaks(name, mode, base._replace(**{axis: k}))
+    return seen[k]
+
+  default = (4, 8) if axis == "layers" else (1, 2)
+  best = _fit.largest_affine(peak, budget, 1, _guesses(previous or {}, budget, default))
+  return best, seen
+
+
+def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool = True,
+        progress: bool = True, config: DecoderConfig = WIDE,
+        budget: int | None = None) -> list[dict[str, Any]]:
+  """One row per (target, axis, mode): the largest depth or batch of ``config`` that fits each
+  target's memory (or ``budget``, for tests), and its peaks."""
+  rows, previous = [], {}
+  with tqdm(desc="optfuse.bench what fits", unit="compile", disable=not progress) as bar:
+    peaks = Peaks(use_cache, bar)
+    try:
+      env = _suite.environment()
+      for name in names:
+        label, memory, source = _memory.target_budget(resolve(name))
+        memory, source = (memory, source) if budget is None else (budget, "given")
+        for axis in axes:
+          for mode in MODES:
+            best, seen = search(name, mode, axis, peaks, memory, previous.get((axis, mode)),
+                                config)
+            previous[(axis, mode)] = seen
+            at = config._replace(**({"layers": best, "batch": 1} if axis == "layers"
+                                    else {"batch": best}))
+            rows.append({**env, "section": "fits", "target": name, "target_label": label,
+                         "axis": axis, "mode": mode, "max": best, "dim": config.dim,
+                         "seq": config.seq, "batch_layers": config.layers,
+                         "params_at_max": _params(at) if best else None,
+                         "peak_at_max": seen.get(best), "next_peak": seen.get(best + 1),
+                         "budget_bytes": memory, "budget_source": source,
+                         "compiles_asked": len(seen)})
+    finally:
+      peaks.save()
+  for row in rows:
+    row["new_compiles"] = peaks.compiles
+  return rows
+
+
+def _params(c: DecoderConfig) -> str:
+  return _models.param_count(_models.decoder(c, scanned=True, remat=True).params)
+
+
+def _describe(row: dict[str, Any]) -> str:
+  if row["axis"] == "layers":
+    return f"{row['max']} layers ({row['params_at_max']} params)" if row["max"] else "nothing"
+  return f"batch {row['max']}" if row["max"] else "not batch 1"
+
+
+def lines(rows: Sequence[dict[str, Any]], axis: str = "layers") -> list[str]:
+  """One line per target: the largest decoder that fits with optax and with optfuse."""
+  out = []
+  for name in dict.fromkeys(r["target"] for r in rows):
+    got = {r["mode"]: r for r in rows if r["target"] == name and r["axis"] == axis}
+    if set(got) != set(MODES):
+      continue
+    off, fused = got["off"], got["backward"]
+    gain = (f"{fused['max'] / off['max']:.2f}x the {axis}" if off["max"] else
+            "optax fits none")
+    what = (f"d={off['dim']} decoder, T={off['seq']}, batch 1" if axis == "layers" else
+            f"{off['batch_layers']}-layer d={off['dim']} decoder, T={off['seq']}")
+    out.append(f"- **{off['target_label']}** ({_memory.format_bytes(off['budget_bytes'])} per "
+               f"device): largest {what} with AdamW: optax {_describe(off)}, backward fusion "
+               f"{_describe(fused)} ({gain})")
+  return out
+
+
+def markdown(rows: Sequence[dict[str, Any]], header: Callable[[], str] | None = None) -> str:
+  """The what-fits table: per target, the largest depth and batch of each mode."""
+  out = ["| target | memory per device | budget from | optax: layers | backward: layers "
+         "| optax: batch at 24 layers | backward: batch at 24 layers |",
+         "|---|---:|---|---:|---:|---:|---:|"]
+  for name in dict.fromkeys(r["target"] for r in rows):
+    cell = {(r["axis"], r["mode"]): r for r in rows if r["target"] == name}
+    first = next(iter(cell.values()))
+    values = [str(cell[(a, m)]["max"]) if (a, m) in cell else "-"
+              for a in ("layers", "batch") for m in MODES]
+    out.append(f"| {first['target_label']} | {_memory.format_bytes(first['budget_bytes'])} "
+               f"| {first['budget_source']} | " + " | ".join(values) + " |")
+  return "\n".join(out) + "\n"
