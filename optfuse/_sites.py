@@ -36,6 +36,13 @@ SHARED = ("read more than once (by two scans, or also outside its scan): its gra
           "complete only after every read, so it is updated once after the backward pass")
 CLOSED_OVER = ("read whole by a loop body (closed over or carried), not as its scanned input: "
                "its gradient is a sum over the iterations")
+# Measured on penzai's LayerStack, which scans with unroll=True (12 layers of d=512, no remat):
+# fused in a rolled loop, backward fusion peaked 47 MB above optax on XLA:CPU and 101 MB above
+# it on the TPU v5e compiler; as a tap it peaks at optax's.
+UNROLLED = ("its scan is fully unrolled (unroll >= its length): XLA compiles it as straight-line "
+            "code that frees each layer's residuals as the backward pass reaches them, where a "
+            "fused loop would stack every residual (penzai's LayerStack: more memory than "
+            "optax), so it is updated once after the backward pass, as optax does")
 
 
 class View(NamedTuple):
@@ -199,6 +206,8 @@ class Finder(_jaxpr.Interpreter):
       if why is None and stored is None:
         why = ("no axis of the stored leaf becomes the scanned axis: a reshape or transpose "
                "on the way mixes the layer axis with another")
+      if why is None and prm["unroll"] >= length:
+        why = UNROLLED
       why = why or self.refuse(w.leaf, length, stored)
       if why is not None:
         self.reason(w.leaf, why)

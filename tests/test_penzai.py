@@ -1,0 +1,77 @@
+"""penzai's Llama-like ``LayerStack``: a real third-party model nobody here wrote.
+
+Its stack scans with ``unroll=True`` and without remat: XLA compiles optax's step as straight-line
+code that frees each layer's residuals as the backward pass reaches them. A rolled fused loop
+would stack every residual and peak above optax (the penzai issue: +47 MB on XLA:CPU, +101 MB on
+the TPU v5e compiler), so optfuse leaves a fully unrolled scan's leaves to taps, and says why.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optfuse
+from optfuse import _fuse, _memory, _targets
+
+pytest.importorskip("penzai")
+
+from tests import _penzai_model  # noqa: E402
+from tests.models import run_fused, run_optax  # noqa: E402
+
+TX = optax.adamw(3e-3, weight_decay=0.05)
+
+
+def _tokens(config, batch=2, seq=16, seed=0):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(0, config["vocab_size"], (batch, seq)), jnp.int32)
+
+
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_penzai_layer_stack_trains_like_optax_over_20_steps(mode):
+  loss_fn, params = _penzai_model.build(_penzai_model.SMALL)
+  batches = [(_tokens(_penzai_model.SMALL, seed=s),) for s in range(3)]
+  want_losses, want_params, want_state = run_optax(TX, params, batches, 20, loss_fn=loss_fn)
+  losses, got_params, state = run_fused(TX, mode, params, batches, 20, loss_fn=loss_fn)
+  if mode == "forward":
+    got_params, state = optfuse.to_optax_state(optfuse.fuse(TX, mode="forward"), got_params,
+                                               state)
+  # Same operations in other XLA fusions: float32 rounding, amplified by Adam's division.
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+  for got, want in zip(jax.tree.leaves((got_params, state)),
+                       jax.tree.leaves((want_params, want_state))):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_every_stacked_leaf_of_the_unrolled_layer_stack_is_tapped_and_says_why():
+  loss_fn, params = _penzai_model.build(_penzai_model.SMALL)
+  described = optfuse.describe(TX, loss_fn, params, _tokens(_penzai_model.SMALL))
+  assert described.reasons and all("fully unrolled" in why for why in described.reasons.values())
+  assert "fully unrolled" in described.table()
+
+
+def _peaks(target=None):
+  loss_fn, params = _penzai_model.build(_penzai_model.ISSUE)
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  tokens = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+  resolved = _targets.resolve(target)
+  return {mode: _memory.compile_memory(_memory.lower_step(
+      _fuse.fuse(TX, mode=mode), loss_fn, params, (tokens,), target=resolved))["peak_bytes"]
+          for mode in ("off", "backward")}
+
+
+def test_backward_fusion_never_peaks_above_optax_on_the_penzai_issue_model():
+  peaks = _peaks()
+  assert peaks["backward"] <= peaks["off"]
+
+
+@pytest.mark.slow
+@pytest.mark.targets
+@pytest.mark.parametrize("target", ["tpu-v5e", "h100"])
+def test_backward_fusion_never_peaks_above_optax_on_penzai_on_the_accelerator_compilers(target):
+  platform = _targets.SPECS[target].platform
+  if not _targets.compiler_installed(platform):
+    pytest.skip(f'the {platform} compiler is not installed: pip install -e ".[{platform}]"')
+  peaks = _peaks(target)
+  assert peaks["backward"] <= peaks["off"]
