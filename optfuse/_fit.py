@@ -203,7 +203,7 @@ def _largest(fits: Callable[[int], bool]) -> int:
 
 
 def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 1,
-                   guesses: Sequence[int] = (1, 2)) -> int:
+                   guesses: Sequence[int] = (1, 2), slope: float | None = None) -> int:
   """The largest ``k >= lower`` with ``peak(k) <= budget`` (``lower - 1`` if none), for a peak
   that grows with ``k`` and is close to affine in it (a scanned model's depth).
 
@@ -211,8 +211,10 @@ def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 
   memory. The search asks ``guesses`` first (a good guess and the one after it answer in two
   calls), then the secant through the two measured peaks nearest the boundary, kept strictly
   between the largest ``k`` known to fit and the smallest known not to (bisection once the
-  secant has had three tries at a closed bracket). The answer is exact whatever the peaks:
-  ``k`` fits and ``k + 1`` does not, and each ``k`` is asked once.
+  secant has had three tries at a closed bracket). ``slope`` (bytes per ``k``, say from another
+  compiler's peaks) aims the next probe while only one peak is known, as when the compiler
+  refuses every probe above the boundary. The answer is exact whatever the peaks: ``k`` fits and
+  ``k + 1`` does not, and each ``k`` is asked once.
   """
   known: dict[int, int | None] = {}
 
@@ -224,25 +226,25 @@ def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 
   def secant() -> int:
     measured = sorted((k for k in known if known[k] is not None),
                       key=lambda k: (abs(k - lo), -k))[:2]
+    rate = slope
     if len(measured) == 2:
       a, b = measured
-      slope = (known[a] - known[b]) / (a - b)
-      if slope > 0:
-        return a + int((budget - known[a]) // slope)
+      rate = (known[a] - known[b]) / (a - b)
+    if measured and rate is not None and rate > 0:
+      a = measured[0]
+      return a + int((budget - known[a]) // rate)
     return 2 * max(lo, 1) if hi is None else (lo + hi) // 2
 
   lo, hi, queue, tries = lower - 1, None, [g for g in guesses if g >= lower], 3
   while hi is None or hi - lo > 1:
-    if queue:
-      probe = queue.pop(0)
-    else:
-      probe = (lo + hi) // 2 if hi is not None and tries <= 0 else secant()
+    aimed = not queue and (hi is None or tries > 0)
+    probe = queue.pop(0) if queue else secant() if aimed else (lo + hi) // 2
+    tries -= aimed and hi is not None
     probe = max(probe, lo + 1) if hi is None else min(max(probe, lo + 1), hi - 1)
     if fits(probe):
       lo = probe
     else:
       hi = probe
-    tries -= hi is not None
   return lo
 
 

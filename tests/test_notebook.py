@@ -67,3 +67,14 @@ def test_the_notebook_reports_memory_and_the_largest_batch_per_mode(executed):
   assert set(fit) == {"off", "backward", "forward"}
   # The budget is optax's peak at the batch measured above; backward fusion goes further.
   assert int(fit["backward"]) > int(fit["off"]) > 0
+
+
+def test_on_a_cpu_runtime_the_notebook_shows_the_fit_for_colabs_tpu_v5e(executed):
+  from optfuse import _targets
+  printed = _printed(executed.cells)
+  if _targets.compiler_installed("tpu"):
+    # The TPU compiler's memory is the budget: 15.75 GiB.
+    assert "16.91 GB (16911433728 bytes) of compiled peak memory per device on tpu-v5e" in printed
+    assert re.search(r"backward: batch +\d+ = +\d+ positions per step on tpu-v5e", printed)
+  else:
+    assert 'cannot compile for TPU v5e here' in printed and '".[tpu]"' in printed

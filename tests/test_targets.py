@@ -110,9 +110,9 @@ def test_a_gpu_budget_is_the_share_jax_preallocates(monkeypatch):
 @given(base=st.integers(0, 1000), slope=st.integers(0, 60), budget=st.integers(0, 6000),
        wobble=st.lists(st.integers(0, 40), min_size=400, max_size=400),
        refused_from=st.one_of(st.none(), st.integers(1, 300)),
-       guess=st.integers(1, 300))
+       guess=st.integers(1, 300), hint=st.one_of(st.none(), st.floats(0.5, 100)))
 def test_the_affine_search_is_exact_for_any_monotone_peak_and_asks_each_point_once(
-    base, slope, budget, wobble, refused_from, guess):
+    base, slope, budget, wobble, refused_from, guess, hint):
   peaks = np.cumsum(wobble) + base + slope * np.arange(400)
   asked = []
 
@@ -124,7 +124,7 @@ def test_the_affine_search_is_exact_for_any_monotone_peak_and_asks_each_point_on
 
   fits = lambda k: 1 <= k < 400 and not (refused_from and k >= refused_from) and (
       peaks[k] <= budget)
-  got = _fit.largest_affine(peak, budget, 1, (guess, guess + 1))
+  got = _fit.largest_affine(peak, budget, 1, (guess, guess + 1), hint)
   assert (got == 0 and not fits(1)) or (fits(got) and not fits(got + 1))
   assert len(asked) == len(set(asked))
 
@@ -133,6 +133,14 @@ def test_an_affine_peak_is_found_in_four_compiles():
   asked = []
   got = _fit.largest_affine(lambda k: asked.append(k) or 1000 + 37 * k, 5000, 1, (4, 8))
   assert got == 108 and asked == [4, 8, 108, 109]
+
+
+def test_a_slope_hint_aims_past_refusals_that_carry_no_peak():
+  # Above the boundary the compiler refuses: only the peaks below it are known.
+  asked = []
+  peak = lambda k: asked.append(k) or (1000 + 37 * k if k <= 108 else None)
+  assert _fit.largest_affine(peak, 5000, 1, (120, 121), slope=37.0) == 108
+  assert len(asked) <= 5
 
 
 # --- the TPU compiler (libtpu), deviceless ---------------------------------------------------

@@ -73,15 +73,16 @@ class Peaks:
 
 
 def _guesses(previous: dict[int, int | None], budget: int, default: tuple[int, int]
-             ) -> tuple[int, int]:
-  """The affine fit of another target's peaks, read at this target's budget."""
+             ) -> tuple[tuple[int, int], float | None]:
+  """The affine fit of another target's peaks read at this target's budget (the first two
+  probes), and its slope."""
   points = sorted(k for k, p in previous.items() if p is not None)
   if len(points) < 2 or previous[points[-1]] == previous[points[0]]:
-    return default
+    return default, None
   a, b = points[0], points[-1]
   slope = (previous[b] - previous[a]) / (b - a)
   guess = max(1, a + math.floor((budget - previous[a]) / slope))
-  return guess, guess + 1
+  return (guess, guess + 1), slope
 
 
 def search(name: str, mode: str, axis: str, peaks: Peaks, budget: int,
@@ -97,7 +98,8 @@ def search(name: str, mode: str, axis: str, peaks: Peaks, budget: int,
     return seen[k]
 
   default = (4, 8) if axis == "layers" else (1, 2)
-  best = _fit.largest_affine(peak, budget, 1, _guesses(previous or {}, budget, default))
+  guesses, slope = _guesses(previous or {}, budget, default)
+  best = _fit.largest_affine(peak, budget, 1, guesses, slope)
   return best, seen
 
 
