@@ -1,9 +1,10 @@
 """The largest batch that fits a memory budget, found from compiled memory alone.
 
 ``max_batch_size`` compiles each mode's training step (``optfuse._memory.lower_step``) for the
-batch sizes a search asks for and compares XLA's compiled peak with the budget: the batch doubles
-until the peak exceeds the budget, then bisection between the last batch that fits and the first
-that does not. Nothing is allocated or run, and no (mode, batch) is compiled twice. The answer
+batch sizes a search asks for and compares XLA's compiled peak with the budget: batches 1 and 2,
+then the secant of the measured peaks (a step's peak is close to affine in its batch), kept
+between the largest batch known to fit and the smallest known not to (``largest_affine``).
+Nothing is allocated or run, and no (mode, batch) is compiled twice. The answer
 is exact for the search's own test: the step at the returned batch fits, the step one batch
 (one multiple of ``microbatches``) larger does not.
 """
@@ -186,22 +187,6 @@ class _Progress:
       self.bar.close()
 
 
-def _largest(fits: Callable[[int], bool]) -> int:
-  """The largest ``k >= 1`` with ``fits(k)`` (0 if not ``fits(1)``), ``fits`` assumed monotone.
-
-  ``k`` doubles until it does not fit, then bisection: about ``2 log2(k)`` calls.
-  """
-  if not fits(1):
-    return 0
-  lo, hi = 1, 2
-  while fits(hi):
-    lo, hi = hi, 2 * hi
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-  return lo
-
-
 def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 1,
                    guesses: Sequence[int] = (1, 2), slope: float | None = None) -> int:
   """The largest ``k >= lower`` with ``peak(k) <= budget`` (``lower - 1`` if none), for a peak
@@ -239,6 +224,10 @@ def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 
   while hi is None or hi - lo > 1:
     aimed = not queue and (hi is None or tries > 0)
     probe = queue.pop(0) if queue else secant() if aimed else (lo + hi) // 2
+    if aimed and (probe < lo or (hi is not None and probe >= hi)):
+      # The secant points outside the bracket: the peaks are not affine there (the compiler
+      # keeps small buffers out of device memory, say), so halve the bracket instead.
+      probe = 2 * max(lo, 1) if hi is None else (lo + hi) // 2
     tries -= aimed and hi is not None
     probe = max(probe, lo + 1) if hi is None else min(max(probe, lo + 1), hi - 1)
     if fits(probe):
@@ -276,8 +265,9 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   for ``params``, ``fx.init``'s state and ``args_for(b)``, compiled for the default backend or
   ``target``, and its peak (``argument + temp + output - alias`` bytes, as in
   ``optfuse.memory_report``) compared with the budget. A batch the compiler refuses for want of
-  memory (the TPU compiler checks its HBM) does not fit. The batch doubles from 1 until the
-  step no longer fits, then bisection finds the boundary: about ``2 log2(b)`` compiles per mode,
+  memory (the TPU compiler checks its HBM) does not fit. The search compiles batches 1 and 2, then
+  aims at the budget along the secant of the measured peaks (close to affine in the batch), kept
+  strictly inside the bracket of batches known to fit and not to: about four compiles per mode,
   each (mode, b) compiled once. Nothing is allocated or run, so ``params`` and the arguments may
   be ``jax.ShapeDtypeStruct``s of a model that fits nowhere. The search assumes the peak grows
   with the batch; the step at the returned batch fits the budget and the step at the next batch
@@ -356,23 +346,22 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   batches, unavailable = {}, {}
   bar = _Progress(progress)
 
-  def fits(mode: str, b: int) -> bool:
-    if b not in peaks[mode] and b not in refused[mode]:
-      bar.start(f"{mode}, batch {b}")
-      lowered = _memory.lower_step(fused[mode], loss_fn, params, _as_args(args_for(b)),
-                                   has_aux=has_aux, target=resolved, microbatches=microbatches)
-      memory = _memory.compile_memory(lowered)
-      if isinstance(memory, _memory.DoesNotFit):
-        refused[mode][b] = memory
-      else:
-        peaks[mode][b] = memory["peak_bytes"]
-      bar.done()
-    return b in peaks[mode] and peaks[mode][b] <= budget
+  def peak(mode: str, b: int) -> int | None:
+    bar.start(f"{mode}, batch {b}")
+    lowered = _memory.lower_step(fused[mode], loss_fn, params, _as_args(args_for(b)),
+                                 has_aux=has_aux, target=resolved, microbatches=microbatches)
+    memory = _memory.compile_memory(lowered)
+    bar.done()
+    if isinstance(memory, _memory.DoesNotFit):
+      refused[mode][b] = memory
+      return None
+    peaks[mode][b] = memory["peak_bytes"]
+    return peaks[mode][b]
 
   try:
     for mode in modes:
       try:
-        batches[mode] = unit * _largest(lambda k, mode=mode: fits(mode, unit * k))
+        batches[mode] = unit * largest_affine(lambda k, mode=mode: peak(mode, unit * k), budget)
       except _memory.UNAVAILABLE_ERRORS as e:
         unavailable[mode] = f"{type(e).__name__}: {e}"
         del peaks[mode], refused[mode]

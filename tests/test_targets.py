@@ -255,3 +255,23 @@ def test_each_gpu_description_compiles_and_backward_fusion_saves_the_stacked_gra
   stacked = LAYERS * (1024 * 1024 + 1024) * 4
   assert report["off"]["peak_bytes"] - report["backward"]["peak_bytes"] >= 0.8 * stacked
   assert report.fits("off") and "XLA_PYTHON_CLIENT_MEM_FRACTION" in report.budget_source
+
+
+# The bench's scanned-model forms at the size of the README's forms table (16 layers of d=512).
+# On the TPU v5e compiler backward fusion still peaks above optax for the three forms that
+# compute in bfloat16 (README, "Where the TPU and GPU compilers differ"): this states the goal.
+@needs_tpu
+@pytest.mark.slow
+@pytest.mark.targets
+@pytest.mark.parametrize("form", [
+    *(pytest.param(form, marks=pytest.mark.xfail(
+        strict=True, reason="TPU v5e: the fused loop of a bfloat16 form peaks 3-19 % above optax"))
+      for form in ("linen_axis1", "bf16_policy", "moveaxis")),
+    "outer_remat", "no_remat"])
+def test_backward_fusion_never_peaks_above_optax_on_the_tpu_compiler_for_every_form(form):
+  from optfuse.bench import _forms, _models, _suite
+  model = (_models.decoder(_suite.FORM_SIZE, scanned=True, remat=False) if form == "no_remat"
+           else _forms.FORMS[form](_suite.FORM_SIZE))
+  report = optfuse.memory_report(model.loss, optax.adamw(1e-3), _models.abstract(model.params),
+                                 *_models.abstract(model.batch), target="tpu-v5e")
+  assert report["backward"]["peak_bytes"] <= report["off"]["peak_bytes"]
