@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.experimental import topologies
 from jax.sharding import Mesh
 
 from optfuse._errors import TargetError
@@ -159,7 +160,6 @@ def _named(name: str) -> Target:
   if not re.fullmatch(r"\d+(x\d+)*", topology):
     raise TargetError(f"cannot read the topology {topology!r} of target {name!r}: write chips "
                       "per dimension, such as 'tpu-v5e:2x2' or 'tpu-v5p:2x2x1'.")
-  from jax.experimental import topologies
   if spec.platform == "tpu":
     # Compile-only use needs no exclusive hold of libtpu, and another process may have it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -181,7 +181,6 @@ def _cuda_topology(config: str, topology: str):
   on without it (logging "Unable to load CUDA"). A deviceless compile needs no CUDA driver, so
   the plugin is initialised again with that check skipped, for this call only.
   """
-  from jax.experimental import topologies
   try:
     return topologies.get_topology_desc(platform="cuda", target_config=config,
                                         topology=topology)
@@ -200,22 +199,28 @@ def _cuda_topology(config: str, topology: str):
   return topologies.get_topology_desc(platform="cuda", target_config=config, topology=topology)
 
 
+# The device_kind a TPU chip of the registry reports, real or compile-only.
+_TPU_KINDS = {"TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e", "TPU v5": "tpu-v5p",
+              "TPU v4": "tpu-v4"}
+
+
+def _allocator_limit(device) -> int | None:
+  try:
+    stats = device.memory_stats()
+  except (AttributeError, RuntimeError, NotImplementedError, jax.errors.JaxRuntimeError):
+    return None  # compile-only devices have no allocator
+  return (stats or {}).get("bytes_limit")
+
+
 def _from_devices(devices: Sequence[Any], name: str) -> Target:
   devices = tuple(devices)
-  kind = devices[0].device_kind
-  matches = [n for n, s in SPECS.items()
-             if s.platform == "tpu" and _chip_kind(s.chip) == kind]
-  if matches:
-    return Target(name, devices[0].platform, devices, SPECS[matches[0]].memory_bytes,
-                  f"the HBM limit the TPU compiler states for {matches[0]}")
-  stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
-  limit = (stats or {}).get("bytes_limit")
+  named = _TPU_KINDS.get(devices[0].device_kind)
+  if named is not None:
+    return Target(name, devices[0].platform, devices, SPECS[named].memory_bytes,
+                  f"the HBM limit the TPU compiler states for {named}")
+  limit = _allocator_limit(devices[0])
   return Target(name, devices[0].platform, devices, limit,
                 "the device's allocator limit" if limit else "unknown")
-
-
-def _chip_kind(chip: str) -> str:
-  return {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5", "v4": "TPU v4"}[chip]
 
 
 def resolve(target: Any) -> Target | None:
@@ -254,9 +259,9 @@ def host_memory_bytes() -> int | None:
 def default_budget() -> tuple[int | None, str]:
   """The memory budget of the default backend's first device, and where it comes from."""
   device = jax.devices()[0]
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"]), "the device's allocator limit"
+  limit = _allocator_limit(device)
+  if limit:
+    return int(limit), "the device's allocator limit"
   if device.platform == "cpu":
     return host_memory_bytes(), "this machine's physical memory"
   return None, "unknown"
