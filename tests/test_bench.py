@@ -188,3 +188,10 @@ def test_what_fits_finds_the_largest_depth_per_mode_and_reuses_the_cache(tmp_pat
   assert again[0]["new_compiles"] == 0 and [r["max"] for r in again] == [r["max"] for r in first]
   line = _what_fits.lines(first)[0]
   assert f"optax {by_mode['off']['max']} layers" in line and "backward fusion" in line
+  # --quick appends these rows to the suite's: the report leads with their lines.
+  from optfuse.bench import _report, _suite
+  env = {"suite": "quick", "load_average_start": None, "load_average_end": None}
+  rows = [{**_suite.environment(), **env, "section": "timing", "model": "m", "description": "",
+           "optimizer": "adamw", "mode": "off", "time_ratio": None, "peak_bytes": None},
+          *({**r, **env} for r in first)]
+  assert line in _report.markdown(rows)

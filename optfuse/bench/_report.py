@@ -181,7 +181,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += ["**What fits** (compile-only, so exact and deterministic for these versions: the "
             "largest depth whose step fits each target's memory, one layer more does not):", "",
             *_what_fits.lines(fits), ""]
-  out += summary(rows)
+  out += summary([r for r in rows if r["section"] != "fits"])
   timing = [r for r in rows if r["section"] == "timing"]
   if timing:
     out += _section(
