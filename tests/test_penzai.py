@@ -28,7 +28,7 @@ def _tokens(config, batch=2, seq=16, seed=0):
   return jnp.asarray(rng.integers(0, config["vocab_size"], (batch, seq)), jnp.int32)
 
 
-@pytest.mark.parametrize("mode", ["backward", "forward"])
+@pytest.mark.parametrize("mode", ["backward", pytest.param("forward", marks=pytest.mark.slow)])
 def test_penzai_layer_stack_trains_like_optax_over_20_steps(mode):
   loss_fn, params = _penzai_model.build(_penzai_model.SMALL)
   batches = [(_tokens(_penzai_model.SMALL, seed=s),) for s in range(3)]

@@ -248,7 +248,9 @@ def test_a_mesh_or_topology_the_user_holds_is_a_target():
 
 @needs_cuda
 @pytest.mark.targets
-@pytest.mark.parametrize("name", ["t4", "l4", "a100-40gb", "a100-80gb", "h100", "h200"])
+@pytest.mark.parametrize("name", ["t4", "h100", *(pytest.param(n, marks=pytest.mark.slow)
+                                                 for n in ("l4", "a100-40gb", "a100-80gb",
+                                                           "h200"))])
 def test_each_gpu_description_compiles_and_backward_fusion_saves_the_stacked_gradient(name):
   report = optfuse.memory_report(_scanned_loss, optax.adamw(1e-3), _scanned_params(1024),
                                  _batch(BATCH), target=name)
