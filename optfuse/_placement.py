@@ -20,8 +20,8 @@ from optfuse._targets import Target
 
 
 def _is_array_like(x: Any) -> bool:
-  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "__jax_array__") or (
-      hasattr(x, "shape") and hasattr(x, "dtype"))
+  """An array or ``jax.ShapeDtypeStruct`` (anything with a shape and a dtype)."""
+  return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _kept(x: Any, target: Target) -> NamedSharding | None:
