@@ -11,6 +11,7 @@ from optfuse._errors import BudgetError as BudgetError
 from optfuse._errors import LossOutputError as LossOutputError
 from optfuse._errors import MicrobatchError as MicrobatchError
 from optfuse._errors import NonSeparableError as NonSeparableError
+from optfuse._errors import OffloadError as OffloadError
 from optfuse._errors import OptfuseError as OptfuseError
 from optfuse._errors import ParamsStructureError as ParamsStructureError
 from optfuse._errors import StateMismatchError as StateMismatchError

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from optfuse._leaves import is_float, keep_int_state
+from optfuse._offload import like, to_device
 from optfuse._plan import Plan
 from optfuse._row_buffers import Stack, row_at, row_loop, value_after
 
@@ -65,8 +66,10 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
   for i, p in enumerate(params):
     if i in deferred:
       continue
+    old = [state[k] for k in plan.groups[i].state_outs]
     if i in staged:
-      staged_grads[i], update, slots[i] = plan.run_staged(i, grads[i], state, params, cuts)
+      staged_grads[i], update, slots[i] = plan.run_staged(i, grads[i], _on_device(plan, i, state),
+                                                          params, cuts)
       new_params[i] = optax.apply_updates(p, update)
     elif i in rows:
       new_params[i], slots[i] = update_rows(plan, i, grads[i], state, params, cuts,
@@ -74,15 +77,24 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
     else:
       ordered = previous is not None and not plan.is_separable
       grad = value_after(grads[i], previous) if ordered else grads[i]
-      update, slots[i] = plan.run_group(i, grad, state, params, cuts)
+      update, slots[i] = plan.run_group(i, grad, _on_device(plan, i, state), params, cuts)
       if is_float(p):
         new_params[i] = optax.apply_updates(p, update)
+    slots[i] = [like(n, o) for n, o in zip(slots[i], old)]
     if is_float(p):
       previous = new_params[i]
     else:
-      old = tuple(state[k] for k in plan.groups[i].state_outs)
-      slots[i] = keep_int_state(tuple(slots[i]), old)
+      slots[i] = keep_int_state(tuple(slots[i]), tuple(old))
   return new_params, plan.new_state(state, params, slots, global_state), cuts, staged_grads
+
+
+def _on_device(plan: Plan, i: int, state: list) -> list:
+  """The flat ``state`` with leaf ``i``'s slots on the device (``offload="state"`` keeps them
+  in host memory): the whole update reads them there."""
+  state = list(state)
+  for k in plan.groups[i].state_outs:
+    state[k] = to_device(state[k])
+  return state
 
 
 def stacked_rows(plan: Plan, axes: dict, state: list, params: list) -> frozenset[int]:

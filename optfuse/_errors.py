@@ -53,3 +53,12 @@ class TargetError(OptfuseError, ValueError):
   devices. The TPU compiler comes with ``pip install "optfuse[tpu]"`` (libtpu), the GPU compiler
   with ``pip install "optfuse[cuda]"``.
   """
+
+
+class OffloadError(OptfuseError, ValueError):
+  """``offload`` was given a value other than ``None`` or "state", or a mode it does not run in.
+
+  ``offload="state"`` keeps the optimizer state in host memory; it runs in ``mode="backward"``
+  (streamed row by row through the fused loops) and ``mode="off"`` (fetched whole for optax's
+  update).
+  """

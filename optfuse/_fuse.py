@@ -8,12 +8,13 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optfuse import _checks, _jaxpr, _split
+from optfuse import _checks, _jaxpr, _offload, _split
 from optfuse._backward import BackwardEngine
 from optfuse._engine import Engine
 from optfuse._errors import UnknownModeError
 from optfuse._forward import ForwardEngine
 from optfuse._off import OffEngine
+from optfuse._offload_engine import OffloadEngine
 from optfuse._two_pass import TwoPassEngine
 
 MODES = ("backward", "forward", "off")
@@ -34,6 +35,7 @@ class FusedTransformation(NamedTuple):
     mode: "backward", "forward" or "off".
     tx: the wrapped optax transformation.
     global_ops: ``None`` or ``"two_pass"``, as passed to ``optfuse.fuse``.
+    offload: ``None`` or ``"state"``, as passed to ``optfuse.fuse``.
   """
 
   init: Callable[[Any], Any]
@@ -42,6 +44,7 @@ class FusedTransformation(NamedTuple):
   mode: str
   tx: optax.GradientTransformation
   global_ops: str | None = None
+  offload: str | None = None
 
 
 # The engine of each mode (``_engine.Engine``); ``ENGINE_OF`` names the engine of a
@@ -56,21 +59,24 @@ ENGINE_OF = {("backward", "two_pass"): "two_pass"}
 
 
 def make_engine(tx: optax.GradientTransformation, mode: str = "backward",
-                global_ops: str | None = None) -> Engine:
-  """The engine that runs ``tx`` in ``mode``, with ``global_ops``.
+                global_ops: str | None = None, offload: str | None = None) -> Engine:
+  """The engine that runs ``tx`` in ``mode``, with ``global_ops`` and ``offload``.
 
   Raises:
     UnknownModeError: ``mode`` or ``global_ops`` is not one ``fuse`` accepts.
+    OffloadError: ``offload`` is not one ``fuse`` accepts, or does not run in ``mode``.
   """
   if mode not in MODES:
     raise UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
   if global_ops not in GLOBAL_OPS:
     raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
-  return ENGINES[ENGINE_OF.get((mode, global_ops), mode)](tx)
+  _offload.check_offload(offload, mode, global_ops)
+  engine = ENGINES[ENGINE_OF.get((mode, global_ops), mode)](tx)
+  return engine if offload is None else OffloadEngine(engine, whole=mode == "off")
 
 
 def fuse(tx: optax.GradientTransformation, mode: str = "backward",
-         global_ops: str | None = None) -> FusedTransformation:
+         global_ops: str | None = None, offload: str | None = None) -> FusedTransformation:
   """Fuses the optax transformation ``tx`` into the training step.
 
   Args:
@@ -84,6 +90,11 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
       computes the global statistics, a second one (over the same forward pass) fuses the
       updates. ``None`` (default): backward mode refuses them with ``NonSeparableError``.
       Forward and off modes run them exactly either way.
+    offload: ``"state"`` keeps the optimizer state's slots (every float state leaf with at least
+      one axis: Adam's ``mu`` and ``nu``) in ``pinned_host`` memory between steps. Backward mode
+      streams them through the device: one row per fused loop iteration, prefetched an
+      iteration ahead, and each tapped leaf's slots whole at its tap. Mode "off" fetches the
+      whole state for optax's update. ``None`` (default): the state lives on the device.
 
   Returns:
     A ``FusedTransformation``.
@@ -91,6 +102,8 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   Raises:
     UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
       not ``None`` or "two_pass".
+    OffloadError: ``offload`` is not ``None`` or "state", or is given with forward mode or
+      ``global_ops``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse
@@ -102,7 +115,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     >>> float(loss)
     5.0
   """
-  engine = make_engine(tx, mode, global_ops)
+  engine = make_engine(tx, mode, global_ops, offload)
 
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
@@ -110,7 +123,8 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     return _jaxpr.with_shared_scalars(step)
 
   return FusedTransformation(engine.init, value_and_update,
-                             _jaxpr.with_shared_scalars(engine.flush), mode, tx, global_ops)
+                             _jaxpr.with_shared_scalars(engine.flush), mode, tx, global_ops,
+                             offload)
 
 
 def check_separable(tx: optax.GradientTransformation, params) -> None:

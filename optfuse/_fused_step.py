@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from optfuse import _loops
 from optfuse._checks import check_loss
 from optfuse._leaves import is_float, keep_int_state
+from optfuse._offload import like, to_device
 from optfuse._plan import Plan
 from optfuse._tap import make_tap
 
@@ -62,14 +63,17 @@ class LeafUpdater:
     return tuple(self.state[k] for k in self.plan.groups[i].state_outs)
 
   def readonly(self, i: int) -> tuple[list, list]:
-    """The other inputs leaf ``i``'s update reads (shared state, other params)."""
+    """The other inputs leaf ``i``'s update reads (shared state, other params), on the
+    device."""
     state, params, _ = self.plan.readonly(i, self.state, self.params)
-    return state, params
+    return [to_device(s) for s in state], params
 
   def apply(self, i: int, grad, param, slots, readonly):
-    """New param and new state slots of leaf ``i`` from its complete gradient."""
-    return self.plan.apply_leaf(i, grad, param, slots, *readonly,
-                                update_params=self.update_params)
+    """New param and new state slots of leaf ``i`` from its complete gradient; slots in host
+    memory (``offload="state"``) are read on the device and written back to the host."""
+    new_param, new_slots = self.plan.apply_leaf(i, grad, param, [to_device(s) for s in slots],
+                                                *readonly, update_params=self.update_params)
+    return new_param, tuple(like(n, s) for n, s in zip(new_slots, slots))
 
   def finish(self, new_params: dict, new_slots: dict) -> tuple[list, list]:
     """Assembles the new flat params and state; leaves never fired get a zero gradient."""

@@ -24,13 +24,16 @@ import jax
 import optax
 
 from optfuse import _fuse, _placement, _targets
-from optfuse._errors import NonSeparableError
+from optfuse._errors import NonSeparableError, OffloadError, TargetError
 
 MODES = ("off", "backward", "forward")
 FIELDS = ("peak_bytes", "temp_bytes", "argument_bytes", "output_bytes", "alias_bytes")
+# Host memory, apart: what ``offload="state"`` keeps in ``pinned_host`` memory. The TPU and GPU
+# compilers count it apart from device memory; XLA:CPU counts both as one (host_bytes 0).
+HOST_FIELDS = ("host_bytes",)
 
 # Errors that mean "this mode cannot run this optimizer (yet)", reported as an unavailable row.
-UNAVAILABLE_ERRORS = (NotImplementedError, NonSeparableError)
+UNAVAILABLE_ERRORS = (NotImplementedError, NonSeparableError, OffloadError)
 
 
 def format_bytes(n: float | None) -> str:
@@ -57,7 +60,8 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
     compiled: the result of ``jax.jit(...).lower(...).compile()``.
 
   Returns:
-    A dict with the keys of ``FIELDS``, in bytes.
+    A dict with the keys of ``FIELDS`` (device memory) and ``HOST_FIELDS`` (``host_bytes``: the
+    same sum over host memory), in bytes.
 
   Raises:
     RuntimeError: the backend gives no memory analysis.
@@ -75,7 +79,9 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
   }
   out["peak_bytes"] = (out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"]
                        - out["alias_bytes"])
-  return {k: out[k] for k in FIELDS}
+  host = lambda name: int(getattr(stats, f"host_{name}_size_in_bytes", 0) or 0)
+  out["host_bytes"] = host("argument") + host("temp") + host("output") - host("alias")
+  return {k: out[k] for k in FIELDS + HOST_FIELDS}
 
 
 class DoesNotFit(NamedTuple):
@@ -146,12 +152,21 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
     laid out as ``fx.init`` lays it out from the placed params).
   """
   kwargs = dict(kwargs or {})
+  if fx.offload is not None and not _placement.host_memory_kinds(target):
+    raise TargetError(
+        f"offload={fx.offload!r} needs a pinned_host memory on the target, and the devices of "
+        f"{'this backend' if target is None else target.name} have none (the GPU compilers run "
+        "without a GPU have no memory spaces). Measure offload on a TPU target or this CPU.")
+  # The offloaded state is laid out from the device-resident init (``place_offloaded``).
+  init = fx.init if fx.offload is None else _fuse.fuse(fx.tx, fx.mode, fx.global_ops).init
   if target is None:
-    state = jax.eval_shape(fx.init, params)
+    state = jax.eval_shape(init, params)
   else:
     params = _placement.place_params(params, target)
     args, kwargs = _placement.place_batch((tuple(args), kwargs), target)
-    state = _placement.place_state(fx.init, params, target)
+    state = _placement.place_state(init, params, target)
+  if fx.offload is not None:
+    state = _placement.place_offloaded(state, target)
   step = fx.value_and_update(loss_fn, has_aux=has_aux, **step_options)
   return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *args, **kwargs)
 
@@ -236,6 +251,9 @@ class MemoryReport(Mapping):
   def table(self) -> str:
     """The report as a fixed-width text table, one line per mode."""
     header = ["mode", "peak", "temp", "arguments", "outputs", "aliased", "peak vs off"]
+    host = any(row.get("host_bytes") for row in self._rows.values())
+    if host:
+      header.insert(6, "host")
     budget = self.budget_bytes is not None
     if budget:
       header.append("fits")
@@ -243,7 +261,7 @@ class MemoryReport(Mapping):
     rows = {}
     for mode, row in self._rows.items():
       ratio = f"{row['peak_bytes'] / base:.2f}x" if base else "-"
-      rows[mode] = [mode, *(format_bytes(row[k]) for k in FIELDS), ratio]
+      rows[mode] = [mode, *(format_bytes(row[k]) for k in FIELDS + HOST_FIELDS[:host]), ratio]
       if budget:
         rows[mode].append("yes" if self.fits(mode) else "no")
     lines = mode_table(header, rows, self.unavailable, self.does_not_fit)
@@ -268,7 +286,8 @@ def target_budget(target: _targets.Target | None) -> tuple[str, int | None, str]
 
 
 def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: Any, *args: Any,
-                  target: Any = None, **kwargs: Any) -> MemoryReport:
+                  target: Any = None, offload: str | None = None, **kwargs: Any
+                  ) -> MemoryReport:
   """Compiled memory of the optax step and of the fused steps, without running anything.
 
   Each mode's step is ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` lowered
@@ -286,11 +305,15 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       ("tpu-v5e", "tpu-v5e:2x2", "h100", "t4"...), a ``jax.sharding.Mesh``, a
       ``TopologyDescription`` or a sequence of devices. Memory is per device; on several
       devices the step is data parallel unless the inputs carry their own shardings.
+    offload: ``"state"`` compiles every mode with ``optfuse.fuse(tx, mode,
+      offload="state")`` (a reserved keyword too): the state's slots in host memory, reported
+      apart as ``host_bytes``; forward mode is then unavailable.
     **kwargs: keyword arguments of ``loss_fn``.
 
   Returns:
     A ``MemoryReport``: a mapping from "off", "backward", "forward" to dicts with
-    ``peak_bytes``, ``temp_bytes``, ``argument_bytes``, ``output_bytes`` and ``alias_bytes``.
+    ``peak_bytes``, ``temp_bytes``, ``argument_bytes``, ``output_bytes`` and ``alias_bytes``
+    (device memory) and ``host_bytes`` (host memory the step uses: the offloaded state).
     A mode that cannot run ``tx`` (a non-separable transform in backward mode, a mode this
     version does not implement) is left out and its reason kept in ``report.unavailable``; a
     mode the compiler refused for want of memory is left out and kept in
@@ -314,7 +337,7 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
   rows, unavailable, refused = {}, {}, {}
   for mode in MODES:
     try:
-      fx = _fuse.fuse(tx, mode=mode)
+      fx = _fuse.fuse(tx, mode=mode, offload=offload)
       memory = compile_memory(lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
                                          target=resolved))
     except UNAVAILABLE_ERRORS as e:

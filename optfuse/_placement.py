@@ -14,8 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from optfuse._offload import offloaded
 from optfuse._targets import Target
 
 
@@ -79,3 +81,37 @@ def place_state(init: Callable[[Any], Any], params: Any, target: Target) -> Any:
       lambda s, sh: jax.ShapeDtypeStruct(
           s.shape, s.dtype, sharding=sh if set(sh.device_set) <= devices else rep),
       shapes, shardings)
+
+
+def host_memory_kinds(target: Target | None) -> bool:
+  """Whether the devices of ``target`` (``None``: this machine's) have a ``pinned_host`` memory
+  a step's inputs can be placed in. The deviceless GPU compiler's devices have none (their
+  ``default_memory()`` is unimplemented), so a host-resident input cannot be described to it."""
+  device = jax.devices()[0] if target is None else target.devices[0]
+  try:
+    return any(m.kind == "pinned_host" for m in device.addressable_memories())
+  except Exception:  # noqa: BLE001 - compile-only devices raise for unimplemented memories
+    return False
+
+
+def place_offloaded(state: Any, target: Target | None) -> Any:
+  """``state`` (``jax.ShapeDtypeStruct``s) with the leaves ``offload="state"`` keeps in host
+  memory (``_offload.offloaded``) in ``pinned_host`` memory, sharded as they were (on this
+  machine's first device when they carry no ``NamedSharding``).
+
+  The state is laid out from the device-resident ``init`` first: ``jax.eval_shape`` keeps no
+  memory space, and an ``init`` that moves its output to the host gives it the default
+  device's sharding, not its param's.
+  """
+  devices = jax.devices()[:1] if target is None else target.devices[:1]
+  mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("devices",))
+
+  def place(s):
+    if not offloaded(s):
+      return s
+    sharding = s.sharding if isinstance(s.sharding, NamedSharding) else NamedSharding(
+        mesh, PartitionSpec())
+    return jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                sharding=sharding.with_memory_kind("pinned_host"))
+
+  return jax.tree.map(place, state)

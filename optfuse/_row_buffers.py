@@ -33,15 +33,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from optfuse._offload import is_host, like, to_device
+
 
 def row_at(x, index, axis: int = 0):
-  """Row ``index`` of ``x`` along ``axis`` (the axis removed)."""
-  return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
+  """Row ``index`` of ``x`` along ``axis`` (the axis removed), in device memory: a row of a
+  host-resident stack (``_offload``) is moved to the device, where the update reads it."""
+  return to_device(lax.dynamic_index_in_dim(x, index, axis, keepdims=False))
 
 
 def write_row(buf, row, index, axis: int = 0):
-  """``buf`` with its row ``index`` along ``axis`` replaced by ``row`` (cast to its dtype)."""
-  return lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), index, axis)
+  """``buf`` with its row ``index`` along ``axis`` replaced by ``row`` (cast to its dtype, and
+  moved to host memory when ``buf`` lives there)."""
+  return lax.dynamic_update_index_in_dim(buf, like(row.astype(buf.dtype), buf), index, axis)
 
 
 def after(index, x):
@@ -158,8 +162,14 @@ def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: Row
 
   Returns:
     ``(stacks, carry)`` after the last iteration.
+
+  A loop with slots in host memory (``offload="state"``) prefetches every row, as on several
+  devices: the next iteration's slot rows start their host-to-device transfer at the end of
+  this iteration, so that it overlaps the next layer's pullback instead of waiting for its
+  gradient row (one row per slot more on the device, the price of the overlap).
   """
-  loop = _leaf_major_loop if ordered() else _kind_major_loop
+  streamed = any(is_host(t) for s in stacks for t in s.slots)
+  loop = _leaf_major_loop if ordered() and not streamed else _kind_major_loop
   return loop(length, index_of, list(stacks), body, carry, first, prefetch)
 
 

@@ -1,0 +1,191 @@
+"""``offload="state"``: the optimizer state's slots in host memory, streamed through the step.
+
+JAX 0.10 runs ``pinned_host`` memory on the CPU backend, so these tests run the same programs
+as an accelerator would (host rows moved to the device and back inside the fused loops), and
+compare them with plain optax on device-resident state. The compile-only checks on the TPU
+compiler, which counts host memory apart from device memory, are marked ``targets``.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optfuse
+from optfuse import _offload, _targets
+from optfuse.bench import _forms, _models
+from tests import models
+
+# The same tolerances as the backward equivalence tests: moving a row to the host and back is
+# exact, so the only differences are XLA's own reassociations of the fused program.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.05),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "lion": lambda: optax.lion(1e-3),
+}
+
+needs_tpu = pytest.mark.skipif(not _targets.compiler_installed("tpu"),
+                               reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
+
+
+def _memory_kinds(tree):
+  return jax.tree.map(lambda x: x.sharding.memory_kind, tree)
+
+
+def _tied_lm():
+  return models.tied_lm_params(), models.tied_lm_batches(), models.tied_lm_loss
+
+
+def _scanned():
+  return models.stacked_params(layers=6), models.tied_lm_batches(), models.scanned_loss
+
+
+MODELS = {"tied_lm": _tied_lm, "scanned": _scanned}
+
+
+def test_init_puts_every_float_slot_in_host_memory_and_the_count_on_the_device():
+  params = models.stacked_params()
+  state = optfuse.fuse(optax.adamw(1e-2), offload="state").init(params)
+  kinds = _memory_kinds(state)
+  assert kinds[0].count == "device"
+  assert set(jax.tree.leaves((kinds[0].mu, kinds[0].nu))) == {"pinned_host"}
+  # The values are optax's own.
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, state),
+                              jax.tree.map(np.asarray, optax.adamw(1e-2).init(params)))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_backward_fusion_with_offloaded_state_trains_like_optax_over_30_steps(model, optimizer):
+  params, batches, loss = MODELS[model]()
+  tx = OPTIMIZERS[optimizer]()
+  fx = optfuse.fuse(tx, offload="state")
+  got = models.run_steps(fx.value_and_update(loss), params, fx.init(models.copy(params)),
+                         batches, 30)
+  want = models.run_optax(tx, params, batches, 30, loss_fn=loss)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
+                              **TOL)
+  slots = [x for x in jax.tree.leaves(got[2]) if x.ndim]
+  assert slots and {x.sharding.memory_kind for x in slots} == {"pinned_host"}
+
+
+@pytest.mark.parametrize("mode", ["backward", "off"])
+def test_offloaded_state_without_jit_trains_like_optax(mode):
+  params, batches, loss = _scanned()
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  fx = optfuse.fuse(tx, mode=mode, offload="state")
+  got = models.run_steps(fx.value_and_update(loss), params, fx.init(models.copy(params)),
+                         batches, 3, jit=False)
+  want = models.run_optax(tx, params, batches, 3, loss_fn=loss)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
+                              **TOL)
+
+
+def test_optax_step_with_offloaded_state_fetches_it_whole_and_matches_optax():
+  params, batches, loss = _scanned()
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  fx = optfuse.fuse(tx, mode="off", offload="state")
+  got = models.run_steps(fx.value_and_update(loss), params, fx.init(models.copy(params)),
+                         batches, 20)
+  want = models.run_optax(tx, params, batches, 20, loss_fn=loss)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
+                              **TOL)
+  assert _memory_kinds(got[2])[0].mu["layers"]["w"] == "pinned_host"
+
+
+@pytest.mark.parametrize("mode", ["backward", "off"])
+def test_microbatches_with_offloaded_state_match_the_device_resident_step(mode):
+  params, batches, loss = _scanned()
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  run = lambda fx: models.run_steps(fx.value_and_update(loss, microbatches=2), params,
+                                    fx.init(models.copy(params)), batches, 10)
+  got = run(optfuse.fuse(tx, mode=mode, offload="state"))
+  want = run(optfuse.fuse(tx, mode=mode))
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
+                              **TOL)
+
+
+@pytest.mark.parametrize("form", ["linen_axis1", "moveaxis", "outer_remat"])
+def test_real_codebase_scan_forms_train_like_optax_with_offloaded_state(form):
+  m = _forms.FORMS[form](_models.DecoderConfig(layers=6, dim=16, heads=2, ff=32, vocab=32,
+                                               seq=8, batch=2))
+  params, batch = _models.materialize(m.params, 0), _models.materialize(m.batch, 1)
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  fx = optfuse.fuse(tx, offload="state")
+  where = optfuse.describe(fx, m.loss, params, *batch)
+  assert "loop" in where.values()
+  got = models.run_steps(fx.value_and_update(m.loss), params, fx.init(models.copy(params)),
+                         [batch], 10)
+  want = models.run_optax(tx, params, [batch], 10, loss_fn=m.loss)
+  # bf16 forms compute in bf16 and round differently once a step's params differ by an ulp.
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
+                              rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("mode, global_ops", [("forward", None), ("backward", "two_pass")])
+def test_modes_that_do_not_stream_state_refuse_offload_and_say_what_runs(mode, global_ops):
+  with pytest.raises(optfuse.OffloadError, match='mode="backward"'):
+    optfuse.fuse(optax.adamw(1e-2), mode=mode, global_ops=global_ops, offload="state")
+
+
+def test_an_unknown_offload_is_an_offload_error():
+  with pytest.raises(optfuse.OffloadError, match="unknown offload 'optimizer'"):
+    optfuse.fuse(optax.adamw(1e-2), offload="optimizer")
+
+
+def test_scalar_and_integer_state_stays_on_the_device():
+  assert not _offload.offloaded(jnp.zeros((), jnp.float32))
+  assert not _offload.offloaded(jnp.zeros((3,), jnp.int32))
+  assert _offload.offloaded(jnp.zeros((3,), jnp.bfloat16))
+
+
+def test_memory_report_with_offload_has_host_bytes_and_no_forward_mode():
+  params = models.abstract_stacked_params(8, 64)
+  args = (jax.ShapeDtypeStruct((4, 6), jnp.int32),) * 2
+  report = optfuse.memory_report(models.scanned_loss, optax.adamw(1e-3), params, *args,
+                                 offload="state")
+  assert set(report) == {"off", "backward"}
+  assert "OffloadError" in report.unavailable["forward"]
+  assert all("host_bytes" in report[mode] for mode in report)
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_offload_takes_the_state_off_the_tpu_and_counts_it_in_host_memory():
+  # 8 stacked 2048x2048 layers: 134 MB of params, 268 MB of AdamW state.
+  params = {"embed": jax.ShapeDtypeStruct((64, 2048), jnp.float32),
+            "layers": {"w": jax.ShapeDtypeStruct((8, 2048, 2048), jnp.float32),
+                       "b": jax.ShapeDtypeStruct((8, 2048), jnp.float32)}}
+
+  def loss(p, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w["w"] + w["b"]), None), x @ p["embed"],
+                        p["layers"])
+    return jnp.mean(h**2)
+
+  x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+  tx = optax.adamw(1e-3)
+  plain = optfuse.memory_report(loss, tx, params, x, target="tpu-v5e")
+  off = optfuse.memory_report(loss, tx, params, x, target="tpu-v5e", offload="state")
+  state = 2 * sum(np.prod(p.shape) * 4 for p in jax.tree.leaves(params))
+  # The goal: the device holds no state but three layer rows of state and gradient in flight
+  # (the prefetched rows, the rows being updated and the rows on their way back).
+  row = 3 * (2048 * 2048 + 2048) * 4
+  assert off["backward"]["peak_bytes"] <= plain["backward"]["peak_bytes"] - state + 3 * row
+  assert off["backward"]["host_bytes"] >= state
+  assert plain["backward"]["host_bytes"] == 0
+  assert "host" in off.table()
+
+
+@pytest.mark.targets
+def test_offload_on_a_deviceless_gpu_target_is_a_target_error():
+  if not _targets.compiler_installed("cuda"):
+    pytest.skip('the GPU compiler is not installed: pip install -e ".[cuda]"')
+  with pytest.raises(optfuse.TargetError, match="pinned_host"):
+    optfuse.memory_report(models.scanned_loss, optax.adamw(1e-3),
+                          models.abstract_stacked_params(4, 16),
+                          *(jax.ShapeDtypeStruct((4, 6), jnp.int32),) * 2, target="h100",
+                          offload="state")
