@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from optfuse import _fuse, _leaves
+from optfuse import _fuse, _leaves, _offload, _split
+from optfuse._errors import NonSeparableError
 
 
 class Placements(dict):
@@ -16,16 +17,23 @@ class Placements(dict):
   Attributes:
     reasons: leaf path -> why a leaf that a scan reads as its stacked input is not updated
       inside the loop, for every such leaf that is not.
+    state: leaf path -> where the leaf's optimizer-state slots live between steps, "host" or
+      "device", for every float leaf that has slots.
   """
 
-  def __init__(self, where: Mapping[str, str], reasons: Mapping[str, str]):
+  def __init__(self, where: Mapping[str, str], reasons: Mapping[str, str],
+               state: Mapping[str, str] | None = None):
     super().__init__(where)
     self.reasons = dict(reasons)
+    self.state = dict(state or {})
 
   def table(self) -> str:
-    """One line per leaf: its path, where it runs and, if a stacked leaf is not fused, why."""
+    """One line per leaf: its path, where it runs, where its state lives (when any lives in
+    host memory) and, if a stacked leaf is not fused, why."""
     width = max(map(len, self), default=0)
-    return "\n".join(f"{path.ljust(width)}  {where}"
+    host = "host" in self.state.values()
+    state = lambda path: f"  state on {self.state.get(path, 'device')}" if host else ""
+    return "\n".join(f"{path.ljust(width)}  {where}{state(path)}"
                      + (f"  ({self.reasons[path]})" if path in self.reasons else "")
                      for path, where in self.items())
 
@@ -50,7 +58,9 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     backward pass once its whole gradient is complete). Forward mode: ``"loop"`` (row by row
     inside the forward loop of a scan, in place, just before the layer runs), ``"rows"`` (row
     by row in place before the loss) or ``"leaf"`` (whole, before the loss). Mode "off":
-    ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged).
+    ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged). Its
+    ``state`` says where each leaf's optimizer-state slots live: ``"host"`` with
+    ``offload="state"``, else ``"device"``.
 
   Raises:
     NonSeparableError: ``tx`` cannot run in backward mode (without ``global_ops="two_pass"``).
@@ -78,6 +88,23 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
   placed, reasons = found[0]
   diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
   label = lambda i: placed.get(i, engine.unplaced) if i in diff else "carried"
+  offload = isinstance(tx, _fuse.FusedTransformation) and tx.offload is not None
   return Placements({path: label(i) for i, path in enumerate(paths)},
                     {paths[i]: why for i, why in reasons.items()
-                     if i in diff and placed.get(i) != "loop"})
+                     if i in diff and placed.get(i) != "loop"},
+                    _state_memory(engine.tx, params, paths, diff, offload))
+
+
+def _state_memory(tx, params, paths: list[str], diff: set[int], offload: bool
+                  ) -> dict[str, str]:
+  """Leaf path -> where its slots live, from the separable split of ``tx`` (the slots each
+  leaf's update owns); empty when ``tx`` does not split per leaf."""
+  state = jax.eval_shape(tx.init, params)
+  try:
+    plan = _split.make_plan(tx, params, state)
+  except NonSeparableError:
+    return {}
+  flat = jax.tree.leaves(state)
+  where = lambda i: ("host" if offload and any(_offload.offloaded(flat[k])
+                                               for k in plan.groups[i].state_outs) else "device")
+  return {paths[i]: where(i) for i in sorted(diff) if plan.groups[i].state_outs}

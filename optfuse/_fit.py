@@ -258,7 +258,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
                    args_for: Callable[[int], Any], budget_bytes: int | float | str | None = None,
                    *, target: Any = None, modes: Sequence[str] | None = None,
                    global_ops: str | None = None, microbatches: int | None = None,
-                   progress: bool = True) -> FitReport:
+                   offload: str | None = None, progress: bool = True) -> FitReport:
   """The largest batch whose compiled training step fits ``budget_bytes``, per mode.
 
   For each mode, ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` is lowered
@@ -295,6 +295,9 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
       over them (data parallel), so ``b`` is the global batch.
     modes: the modes to search, by default "off", "backward" and "forward".
     global_ops: passed to ``optfuse.fuse`` (``"two_pass"`` lets backward mode run clipping).
+    offload: passed to ``optfuse.fuse``: ``"state"`` searches the steps whose optimizer state
+      lives in host memory; the budget bounds device memory (forward mode is then
+      unavailable).
     microbatches: passed to ``fx.value_and_update``: each step splits its arguments into this
       many microbatches along their leading axis, so only multiples of ``microbatches`` are
       searched and every batch returned is one (``b`` is the whole step's batch, not a
@@ -334,7 +337,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   budget, source = resolve_budget(budget_bytes, resolved)
   unit = _checks.check_microbatches(microbatches)
   modes = (modes,) if isinstance(modes, str) else tuple(_memory.MODES if modes is None else modes)
-  fused = {mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops) for mode in modes}
+  fused = lambda mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops, offload=offload)
   if _args_bytes(_as_args(args_for(2 * unit))) <= _args_bytes(_as_args(args_for(unit))):
     raise BudgetError(
         f"args_for({2 * unit}) returns arguments no larger than args_for({unit}), so the step's "
@@ -348,7 +351,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
 
   def peak(mode: str, b: int) -> int | None:
     bar.start(f"{mode}, batch {b}")
-    lowered = _memory.lower_step(fused[mode], loss_fn, params, _as_args(args_for(b)),
+    lowered = _memory.lower_step(fused(mode), loss_fn, params, _as_args(args_for(b)),
                                  has_aux=has_aux, target=resolved, microbatches=microbatches)
     memory = _memory.compile_memory(lowered)
     bar.done()

@@ -11,6 +11,7 @@ import optax
 
 from optfuse._checks import check_state
 from optfuse._errors import StateMismatchError
+from optfuse._offload import place_state
 
 
 class ForwardState(NamedTuple):
@@ -88,8 +89,11 @@ def from_optax_state(fx, params, opt_state):
     opt_state: a state of ``fx.tx`` (``tx.init(params)`` or a later one).
 
   Returns:
-    A ``ForwardState`` with nothing pending in forward mode, otherwise ``opt_state`` itself.
+    A ``ForwardState`` with nothing pending in forward mode, otherwise ``opt_state`` itself;
+    with ``offload="state"``, its slots moved to host memory (``fx.init``'s placement).
   """
+  if getattr(fx, "offload", None) is not None:
+    opt_state = place_state(opt_state)
   if fx.mode != "forward":
     return opt_state
   return no_pending(params, opt_state)

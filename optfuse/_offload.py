@@ -81,6 +81,22 @@ def place_state(state):
   return jax.tree.map(lambda s: to_host(s) if offloaded(s) else s, state)
 
 
+def check_placed(state) -> None:
+  """Raises ``OffloadError`` naming the first leaf of ``state`` that ``offloaded`` accepts but
+  that lives in device memory.
+
+  The step cannot move it to the host itself: with donation, XLA would alias the donated
+  device buffer to the host output (the CPU runtime aborts on it).
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if offloaded(leaf) and not is_host(leaf):
+      raise OffloadError(
+          f"state leaf {jax.tree_util.keystr(path)} is in device memory, and offload='state' "
+          "keeps it in host memory. Use the state fx.init returns, convert a plain optax state "
+          "with optfuse.from_optax_state(fx, params, opt_state), and restore checkpoints with "
+          "the shardings of fx.init's state (memory_kind='pinned_host').")
+
+
 def tree_to_device(tree):
   """Every leaf of ``tree`` in device memory."""
   return jax.tree.map(to_device, tree)

@@ -32,10 +32,11 @@ class OffloadEngine:
 
   def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
     inner = self.engine.step(loss_fn, has_aux, microbatches)
-    if not self.whole:
-      return inner
 
     def step(params, state, *args, **kwargs):
+      _offload.check_placed(state)
+      if not self.whole:
+        return inner(params, state, *args, **kwargs)
       value, params, new_state = inner(params, _offload.tree_to_device(state), *args, **kwargs)
       return value, params, _offload.tree_like(new_state, state)
 

@@ -15,12 +15,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "optfuse"
 # Top to bottom, as in the README's Design table.
 LAYERS = [
     ["__init__", "_fuse", "_describe", "_memory", "_fit", "_train_step", "linen", "nnx"],
-    ["_engine", "_off", "_backward", "_two_pass", "_forward", "_forward_state"],
+    ["_engine", "_off", "_backward", "_two_pass", "_forward", "_forward_state", "_offload_engine"],
     ["_fused_step", "_tap", "_loops", "_sites", "_fused_scan", "_scan_body", "_row_buffers",
      "_accumulate", "_apply"],
     ["_plan", "_split", "_global"],
     ["_jaxpr", "_rows", "_row_rules", "_in_place"],
-    ["_checks", "_leaves", "_errors", "_targets", "_placement"],
+    ["_checks", "_leaves", "_errors", "_targets", "_placement", "_offload"],
 ]
 LAYER_OF = {module: depth for depth, modules in enumerate(LAYERS) for module in modules}
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py"))

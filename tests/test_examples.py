@@ -62,3 +62,8 @@ def test_port_train_step_is_a_two_line_change_that_trains_alike():
     removed = [line for line in port["diff"] if line.startswith("-")]
     assert 1 <= len(added) <= 2 and len(removed) <= 3
     assert port["max_param_diff"] < TOL
+
+
+def test_offload_state_trains_like_optax_with_the_state_in_host_memory():
+  example = _load("offload_state")
+  assert example.train_check(steps=3) < TOL

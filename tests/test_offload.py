@@ -189,3 +189,73 @@ def test_offload_on_a_deviceless_gpu_target_is_a_target_error():
                           models.abstract_stacked_params(4, 16),
                           *(jax.ShapeDtypeStruct((4, 6), jnp.int32),) * 2, target="h100",
                           offload="state")
+
+
+def test_describe_says_where_each_leafs_state_lives():
+  params = models.stacked_params()
+  batch = models.tied_lm_batches()[0]
+  fused = optfuse.describe(optfuse.fuse(optax.adamw(1e-2), offload="state"),
+                           models.scanned_loss, params, *batch)
+  assert set(fused.state.values()) == {"host"} and "state on host" in fused.table()
+  plain = optfuse.describe(optax.adamw(1e-2), models.scanned_loss, params, *batch)
+  assert set(plain.state.values()) == {"device"} and "state on" not in plain.table()
+
+
+def test_orbax_resume_of_offloaded_state_continues_the_same_trajectory(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params, batches, loss = _scanned()
+  fx = optfuse.fuse(optax.adamw(1e-2, weight_decay=0.05), offload="state")
+  step = jax.jit(fx.value_and_update(loss), donate_argnums=(0, 1))
+  straight = models.run_steps(fx.value_and_update(loss), params, fx.init(models.copy(params)),
+                              batches, 8)
+  p, s = models.copy(params), fx.init(models.copy(params))
+  for t in range(4):
+    _, p, s = step(p, s, *batches[t % len(batches)])
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "step_4", (p, s))
+    checkpointer.wait_until_finished()
+    template = (params, fx.init(models.copy(params)))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            template)
+    p, s = checkpointer.restore(tmp_path / "step_4", abstract)
+  assert _memory_kinds(s)[0].mu["layers"]["w"] == "pinned_host"
+  for t in range(4, 8):
+    _, p, s = step(p, s, *batches[t % len(batches)])
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, (p, s)),
+                              jax.tree.map(np.asarray, straight[1:]), **TOL)
+
+
+def test_a_device_resident_state_is_refused_and_from_optax_state_moves_it_to_the_host():
+  params, batches, loss = _scanned()
+  tx = optax.adamw(1e-2)
+  fx = optfuse.fuse(tx, offload="state")
+  step = jax.jit(fx.value_and_update(loss), donate_argnums=(0, 1))
+  with pytest.raises(optfuse.OffloadError, match=r"\.mu\['embed'\] is in device memory"):
+    step(models.copy(params), tx.init(models.copy(params)), *batches[0])
+  state = optfuse.from_optax_state(fx, params, tx.init(models.copy(params)))
+  _, _, state = step(models.copy(params), state, *batches[0])
+  assert _memory_kinds(state)[0].nu["layers"]["w"] == "pinned_host"
+
+
+@pytest.mark.parametrize("mu_dtype", [jnp.bfloat16, jnp.float32])
+def test_bf16_moments_and_bf16_params_train_like_optax_with_offloaded_state(mu_dtype):
+  params, batches, loss = _scanned()
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  tx = optax.adam(1e-2, mu_dtype=mu_dtype)
+  fx = optfuse.fuse(tx, offload="state")
+  got = models.run_steps(fx.value_and_update(loss), params, fx.init(models.copy(params)),
+                         batches, 10)
+  want = models.run_optax(tx, params, batches, 10, loss_fn=loss)
+  # bf16 params: the same arithmetic, rounded to bf16 (8 bits of mantissa) at every step.
+  chex.assert_trees_all_close(jax.tree.map(lambda x: np.asarray(x, np.float32), got),
+                              jax.tree.map(lambda x: np.asarray(x, np.float32), want),
+                              rtol=2e-2, atol=2e-2)
+
+
+def test_max_batch_size_with_offload_searches_the_offloaded_steps():
+  params = models.abstract_stacked_params(8, 64)
+  args_for = lambda b: (jax.ShapeDtypeStruct((b, 6), jnp.int32),) * 2
+  fit = optfuse.max_batch_size(models.scanned_loss, optax.adamw(1e-3), params, args_for, "4MB",
+                               offload="state", progress=False)
+  assert set(fit) == {"off", "backward"} and "OffloadError" in fit.unavailable["forward"]
+  assert fit["backward"] >= fit["off"] > 0
