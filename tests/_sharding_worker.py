@@ -8,8 +8,9 @@ Usage::
 The device count is fixed when JAX initialises, so these runs live in their own process and the
 flag never leaks into the test process. For every layout (data parallel, FSDP), model (unrolled
 MLP, scanned MLP), mesh axis type (Auto, Explicit) and implementation (plain optax, each
-optfuse mode) the worker compiles one jitted step, records its output shardings, the
-all-gathers in its compiled HLO and its compiled memory per device, then trains ``N`` steps
+optfuse mode, backward fusion with the optimizer state in host memory) the worker compiles one
+jitted step, records its output shardings, the all-gathers in its compiled HLO and its
+compiled memory per device, then trains ``N`` steps
 (``jax.jit`` recompiles a step whose outputs come back resharded, as it would in user code). It
 writes ``OUT_DIR/report.json`` and the losses and final params and state to
 ``OUT_DIR/results.npz``. The models, batches and optimizer are defined here so the test can
@@ -43,7 +44,7 @@ TX = optax.adamw(1e-2, weight_decay=1e-2)
 LAYOUTS = ("data_parallel", "fsdp")
 MODELS = ("mlp", "scan")
 AXIS_TYPES = ("auto", "explicit")
-IMPLS = ("optax", "backward", "forward")
+IMPLS = ("optax", "backward", "forward", "backward_offload")
 
 
 def init_params(model: str, width: int) -> dict:
@@ -144,7 +145,8 @@ def run(layout: str, model: str, axis_type: str, impl: str, steps: int, width: i
   if impl == "optax":
     initable, step = TX, optax_step(loss)
   else:
-    fx = optfuse.fuse(TX, impl)
+    offload = "state" if impl.endswith("_offload") else None
+    fx = optfuse.fuse(TX, impl.removesuffix("_offload"), offload=offload)
     initable, step = fx, fx.value_and_update(loss)
   # Built on the default device and then placed: eager ops under the mesh would each compile.
   params = init_params(model, width)
@@ -156,6 +158,10 @@ def run(layout: str, model: str, axis_type: str, impl: str, steps: int, width: i
     state_shardings = optax.tree_utils.tree_map_params(
         initable, lambda _, sharding: sharding, state, param_shardings,
         transform_non_params=lambda _: NamedSharding(mesh, P()))
+    if impl.endswith("_offload"):  # the slots in host memory, each sharded like its param
+      state_shardings = jax.tree.map(
+          lambda sh, x: sh.with_memory_kind("pinned_host") if x.sharding.memory_kind ==
+          "pinned_host" else sh, state_shardings, state)
     params = jax.device_put(params, param_shardings)
     state = jax.device_put(state, state_shardings)
     rows = NamedSharding(mesh, P("data"))
