@@ -29,13 +29,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from optfuse._leaves import is_float, keep_int_state
-from optfuse._offload import like, to_device
+from optfuse._offload import is_host, like, to_device
 from optfuse._plan import Plan
 from optfuse._row_buffers import Stack, row_at, row_loop, value_after
+from optfuse._rows import ROW_COMBINE, NotRowwise
 
 
 def apply_update(plan: Plan, grads: list, state: list, params: list,
@@ -61,22 +64,24 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
     gradient (a caller that returns it lets XLA write it over the gradient's buffer). Non-float
     params are kept, with their integer slots.
   """
-  cuts, global_state = plan.run_global(grads, state, params)
+  cuts, global_state = global_stage(plan, grads, state, params, axes or {})
   new_params, slots, previous, staged_grads = list(params), {}, None, list(grads)
   for i, p in enumerate(params):
     if i in deferred:
       continue
     old = [state[k] for k in plan.groups[i].state_outs]
     if i in staged:
-      staged_grads[i], update, slots[i] = plan.run_staged(i, grads[i], _on_device(plan, i, state),
-                                                          params, cuts)
+      staged_grads[i], update, slots[i] = plan.run_staged(i, to_device(grads[i]),
+                                                          _on_device(plan, i, state), params, cuts)
+      staged_grads[i] = like(staged_grads[i], grads[i])
       new_params[i] = optax.apply_updates(p, update)
     elif i in rows:
       new_params[i], slots[i] = update_rows(plan, i, grads[i], state, params, cuts,
                                             (axes or {}).get(i, 0))
     else:
       ordered = previous is not None and not plan.is_separable
-      grad = value_after(grads[i], previous) if ordered else grads[i]
+      grad = to_device(grads[i])
+      grad = value_after(grad, previous) if ordered else grad
       update, slots[i] = plan.run_group(i, grad, _on_device(plan, i, state), params, cuts)
       if is_float(p):
         new_params[i] = optax.apply_updates(p, update)
@@ -86,6 +91,43 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
     else:
       slots[i] = keep_int_state(tuple(slots[i]), tuple(old))
   return new_params, plan.new_state(state, params, slots, global_state), cuts, staged_grads
+
+
+def global_stage(plan: Plan, grads: list, state: list, params: list, axes: dict
+                 ) -> tuple[list, list]:
+  """``(cuts, new_state[global_outs])`` of the plan's global stage (the clipping factor...).
+
+  From gradients in host memory (forward fusion with ``offload="state"``) it is computed from
+  per-leaf statistics (``Plan.stats``, a plan built with ``two_pass=True``): a stacked leaf's
+  one row at a time, each row moved to the device and reduced, so that the device never holds
+  a whole gradient leaf; the others' whole, one leaf at a time.
+  """
+  if plan.global_jaxpr is None or plan.stats is None or not any(is_host(g) for g in grads):
+    return plan.run_global(grads, state, params)
+  stats = [_leaf_stats(plan, i, g, state, params, axes.get(i)) for i, g in enumerate(grads)]
+  return plan.run_combine(stats, state, params)
+
+
+def _leaf_stats(plan: Plan, i: int, grad, state: list, params: list, axis: int | None) -> list:
+  """Leaf ``i``'s statistics, reduced row by row along ``axis`` when its gradient lives in host
+  memory and they are reductions over the rows (``Plan.run_stats_row``), else whole."""
+  if axis is None or not is_host(grad) or not plan.stats.stats[i]:
+    return plan.run_stats(i, to_device(grad), state, params)
+  shape = jnp.shape(grad)
+  length, row = shape[axis], jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1:], grad.dtype)
+  found: list = []  # (partial, reduction) of each statistic, on an abstract row
+  try:
+    jax.eval_shape(lambda g: found.extend(plan.run_stats_row(i, g, state, params, 0, length,
+                                                             axis)) or 0, row)
+  except NotRowwise:
+    return plan.run_stats(i, to_device(grad), state, params)
+
+  def body(k, accs):
+    partials = plan.run_stats_row(i, row_at(grad, k, axis), state, params, k, length, axis)
+    return tuple(ROW_COMBINE[r].combine(a, v.astype(a.dtype)) for a, (v, r) in zip(accs, partials))
+
+  init = tuple(ROW_COMBINE[r].identity(v.shape, v.dtype) for v, r in found)
+  return list(lax.fori_loop(0, length, body, init))
 
 
 def _on_device(plan: Plan, i: int, state: list) -> list:

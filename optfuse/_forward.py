@@ -51,7 +51,9 @@ from optfuse import _accumulate, _fused_step, _global, _leaves, _loops, _split
 from optfuse._apply import apply_update, stacked_rows, stacked_staged
 from optfuse._checks import check_params
 from optfuse._engine import Step
+from optfuse._errors import NonSeparableError, OffloadError
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
+from optfuse._offload import is_host, like
 from optfuse._plan import Plan, PlanCache
 from optfuse._row_buffers import ordered, value_after
 
@@ -137,7 +139,8 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   analysis = _accumulate.analyze_loss(scaled, params, batches)
   axes = analysis.loop_plan.stacked
   param_leaves = plan.params_def.flatten_up_to(params)
-  staged, rows = _stacked_updates(plan, axes, jax.tree.leaves(state.opt_state), param_leaves)
+  staged, rows = _stacked_updates(plan, axes, jax.tree.leaves(state.opt_state), param_leaves,
+                                  plan.params_def.flatten_up_to(state.pending_grads))
   params, opt_state, _, buffers = apply_pending(plan, params, state, rows, axes=axes,
                                                 staged=staged)
 
@@ -147,7 +150,9 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
 
   # The new sum starts in the buffers of the pending gradient (of the staged gradients that
   # took them over), once the update has read them.
-  zeros = jax.tree.map(lambda g, p: value_after(jnp.zeros_like(g), p, g),
+  # A sum in host memory (``offload="state"``) starts as zeros moved there.
+  zeros = jax.tree.map(lambda g, p: (like(value_after(jnp.zeros(g.shape, g.dtype), p), g)
+                                     if is_host(g) else value_after(jnp.zeros_like(g), p, g)),
                        jax.tree.unflatten(plan.params_def, buffers), params)
   acc, values = lax.scan(body, zeros, batches)
   return (_accumulate.sum_value(values, has_aux), params,
@@ -252,7 +257,7 @@ def placement(plan: Plan, loss_fn: Callable, params, state: ForwardState,
   # Inside ``jax.checkpoint`` the forward loop runs again in the backward pass: an update there
   # would be recomputed with fresh param and state stacks (measured: 1.05x optax's peak instead
   # of 0.97x for a checkpointed 16-layer stack), so those rows are updated before the loss.
-  staged, by_rows = _stacked_updates(plan, axes, state_leaves, param_leaves)
+  staged, by_rows = _stacked_updates(plan, axes, state_leaves, param_leaves, grad_leaves)
   by_rows &= frozenset(diff)
   in_loop = frozenset(i for i in loop_plan.fused_leaves if i in by_rows
                       and i not in loop_plan.in_remat)
@@ -260,12 +265,16 @@ def placement(plan: Plan, loss_fn: Callable, params, state: ForwardState,
   return Placement(capture_plan, loop_plan, in_loop, rows, staged)
 
 
-def _stacked_updates(plan: Plan, axes: dict, state: list, params: list
+def _stacked_updates(plan: Plan, axes: dict, state: list, params: list, grads: list
                      ) -> tuple[frozenset[int], frozenset[int]]:
   """``(staged, rows)``: the stacked leaves updated whole from their staged gradient, and
-  those updated row by row (the others are updated whole)."""
-  staged = stacked_staged(plan, axes, params)
-  return staged, stacked_rows(plan, axes, state, params) - staged
+  those updated row by row (the others are updated whole). A leaf whose pending gradient lives
+  in host memory (``offload="state"``) is updated row by row whenever its update allows: whole,
+  its gradient and slots would be on the device at once."""
+  streamed = frozenset(i for i in axes if is_host(grads[i])
+                       and plan.rowwise(i, state, params, axis=axes[i]))
+  staged = stacked_staged(plan, axes, params) - streamed
+  return staged, (stacked_rows(plan, axes, state, params) - staged) | streamed
 
 
 def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
@@ -295,9 +304,11 @@ def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
     new_slots = plan.run_group_slots(i, grads, state, params, cuts)
     return [jnp.where(enabled, new.astype(old.dtype), old) for new, old in zip(new_slots, slots)]
 
-  whole = slots_fn if plan.slots_whole(i) and ordered() else None
-  return _loops.PreUpdate(grads[i], tuple(state[k] for k in group.state_outs), operands, row_fn,
-                          whole)
+  slots = tuple(state[k] for k in group.state_outs)
+  # Whole slots are read on the device at once: not for slots in host memory.
+  whole = (slots_fn if plan.slots_whole(i) and ordered() and not any(map(is_host, slots))
+           else None)
+  return _loops.PreUpdate(grads[i], slots, operands, row_fn, whole)
 
 
 def _next_state(opt_state, grads, pending_grads) -> ForwardState:
@@ -326,16 +337,34 @@ def _capture() -> optax.GradientTransformation:
   return optax.GradientTransformation(init, update)
 
 
+def _make_plan(tx: optax.GradientTransformation, params, opt_state, streamed: bool) -> Plan:
+  """The global plan of ``tx``; ``streamed`` (``offload="state"``: the pending gradient in host
+  memory) with its global stage split into per-leaf statistics, which ``_apply.global_stage``
+  reduces one row at a time.
+
+  Raises:
+    OffloadError: ``streamed``, and the global stage does not split into per-leaf statistics.
+  """
+  if not streamed:
+    return _global.make_global_plan(tx, params, opt_state)
+  try:
+    return _global.make_global_plan(tx, params, opt_state, two_pass=True)
+  except NonSeparableError as e:
+    raise OffloadError(
+        f"forward fusion with offload='state' computes the global stage of the update from "
+        f"per-leaf statistics of the pending gradient in host memory, and this one does not "
+        f"split into them ({e}). Use offload=None.") from e
+
+
 class ForwardEngine:
   """``mode="forward"``: leaves placed "loop" (inside a scan's forward loop), "rows" (row by row
   before the loss) or "leaf" (whole, before the loss)."""
 
   unplaced = "leaf"
 
-  def __init__(self, tx: optax.GradientTransformation):
+  def __init__(self, tx: optax.GradientTransformation, streamed: bool = False):
     self.tx = tx
-    self.plans = PlanCache(lambda params, opt_state: _global.make_global_plan(tx, params,
-                                                                              opt_state))
+    self.plans = PlanCache(lambda params, opt_state: _make_plan(tx, params, opt_state, streamed))
 
   def init(self, params) -> ForwardState:
     check_params(params)

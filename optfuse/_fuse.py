@@ -71,8 +71,11 @@ def make_engine(tx: optax.GradientTransformation, mode: str = "backward",
   if global_ops not in GLOBAL_OPS:
     raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
   _offload.check_offload(offload, mode, global_ops)
-  engine = ENGINES[ENGINE_OF.get((mode, global_ops), mode)](tx)
-  return engine if offload is None else OffloadEngine(engine, whole=mode == "off")
+  if offload is None:
+    return ENGINES[ENGINE_OF.get((mode, global_ops), mode)](tx)
+  # Forward fusion streams the pending gradient too: its global stage from row statistics.
+  engine = ForwardEngine(tx, streamed=True) if mode == "forward" else ENGINES[mode](tx)
+  return OffloadEngine(engine, whole=mode == "off")
 
 
 def fuse(tx: optax.GradientTransformation, mode: str = "backward",

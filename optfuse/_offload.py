@@ -27,7 +27,7 @@ from optfuse._errors import OffloadError
 # What ``fuse``'s ``offload`` accepts.
 OFFLOADS = (None, "state")
 # The modes that run with ``offload="state"`` in this version.
-OFFLOAD_MODES = ("backward", "off")
+OFFLOAD_MODES = ("backward", "forward", "off")
 
 
 def check_offload(offload: Any, mode: str, global_ops: str | None) -> None:
@@ -36,10 +36,9 @@ def check_offload(offload: Any, mode: str, global_ops: str | None) -> None:
     raise OffloadError(f'unknown offload {offload!r}; use None or "state".')
   if offload is not None and (mode not in OFFLOAD_MODES or global_ops is not None):
     raise OffloadError(
-        f'offload="state" runs in mode="backward" (without global_ops) and mode="off" in this '
-        f'version, not in mode={mode!r} with global_ops={global_ops!r}. For clipping with '
-        'offloaded state, clip per leaf (optax.clip, clip_by_block_rms) in backward mode, or use '
-        'offload=None.')
+        f'offload="state" runs in modes "backward", "forward" and "off" without global_ops, not '
+        f'in mode={mode!r} with global_ops={global_ops!r}. For global clipping with offloaded '
+        'state use mode="forward", which streams the pending gradient too.')
 
 
 def _memory_space(x) -> Any:
