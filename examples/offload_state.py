@@ -7,8 +7,9 @@ loop. This script
 1. trains a small scanned decoder for a few steps with the state in host memory and checks it
    against plain optax (the same params, on this machine's backend);
 2. compiles the bench's scanned decoder for a target (default: Colab's TPU v5e, through the TPU
-   compiler, without a TPU) with optax, backward fusion, and backward fusion with offload, and
-   prints each step's device peak and host bytes.
+   compiler, without a TPU) in every mode with and without offload, for AdamW and for
+   ``clip_by_global_norm`` + AdamW (forward fusion streams the pending gradient too), and prints
+   each step's device peak and host bytes.
 
 Usage::
 
@@ -62,11 +63,14 @@ def main() -> None:
   c = _suite.DECODER_1_3B._replace(layers=args.layers)
   model = _models.decoder(c, scanned=True, remat=True)
   params, batch = _models.abstract(model.params), _models.abstract(model.batch)
-  print(f"\n{model.description}, AdamW, on {args.target}:")
-  for offload in (None, "state"):
-    print(f"\noffload={offload!r}")
-    print(optfuse.memory_report(model.loss, optax.adamw(1e-3), params, *batch,
-                                target=args.target, offload=offload))
+  optimizers = {"AdamW": optax.adamw(1e-3),
+                "clip_by_global_norm + AdamW": optax.chain(optax.clip_by_global_norm(1.0),
+                                                           optax.adamw(1e-3))}
+  for name, tx in optimizers.items():
+    for offload in (None, "state"):
+      print(f"\n{model.description}, {name}, on {args.target}, offload={offload!r}:")
+      print(optfuse.memory_report(model.loss, tx, params, *batch, target=args.target,
+                                  offload=offload))
 
 
 if __name__ == "__main__":

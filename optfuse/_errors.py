@@ -59,6 +59,7 @@ class OffloadError(OptfuseError, ValueError):
   """``offload`` was given a value other than ``None`` or "state", or a mode it does not run in.
 
   ``offload="state"`` keeps the optimizer state in host memory; it runs in ``mode="backward"``
-  (streamed row by row through the fused loops) and ``mode="off"`` (fetched whole for optax's
-  update).
+  and ``mode="forward"`` (streamed row by row through the fused loops) and ``mode="off"``
+  (fetched whole for optax's update), not with ``global_ops="two_pass"``. Also raised when a
+  step is given a state whose slots are in device memory.
   """

@@ -296,8 +296,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     modes: the modes to search, by default "off", "backward" and "forward".
     global_ops: passed to ``optfuse.fuse`` (``"two_pass"`` lets backward mode run clipping).
     offload: passed to ``optfuse.fuse``: ``"state"`` searches the steps whose optimizer state
-      lives in host memory; the budget bounds device memory (forward mode is then
-      unavailable).
+      lives in host memory; the budget bounds device memory.
     microbatches: passed to ``fx.value_and_update``: each step splits its arguments into this
       many microbatches along their leading axis, so only multiples of ``microbatches`` are
       searched and every batch returned is one (``b`` is the whole step's batch, not a

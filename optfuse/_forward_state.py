@@ -11,7 +11,7 @@ import optax
 
 from optfuse._checks import check_state
 from optfuse._errors import StateMismatchError
-from optfuse._offload import place_state
+from optfuse._offload import place_state, tree_to_device
 
 
 class ForwardState(NamedTuple):
@@ -62,7 +62,9 @@ def to_optax_state(fx, params, state) -> tuple[Any, Any]:
 
   Returns:
     ``(params, opt_state)`` where ``opt_state`` has the structure of ``fx.tx.init(params)``: in
-    forward mode after applying the pending update, otherwise ``state`` itself.
+    forward mode after applying the pending update, otherwise ``state`` itself; with
+    ``offload="state"`` moved to device memory, where optax's own code (``optax.tree``
+    utilities, a plain optax step) can read it.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse
@@ -74,10 +76,12 @@ def to_optax_state(fx, params, state) -> tuple[Any, Any]:
     >>> params["w"].tolist()
     [0.0, 0.0]
   """
-  if fx.mode != "forward":
-    return params, state
-  params, state = fx.flush(params, state)
-  return params, state.opt_state
+  if fx.mode == "forward":
+    params, state = fx.flush(params, state)
+    state = state.opt_state
+  if getattr(fx, "offload", None) is not None:
+    state = tree_to_device(state)
+  return params, state
 
 
 def from_optax_state(fx, params, opt_state):
@@ -92,8 +96,5 @@ def from_optax_state(fx, params, opt_state):
     A ``ForwardState`` with nothing pending in forward mode, otherwise ``opt_state`` itself;
     with ``offload="state"``, its slots moved to host memory (``fx.init``'s placement).
   """
-  if getattr(fx, "offload", None) is not None:
-    opt_state = place_state(opt_state)
-  if fx.mode != "forward":
-    return opt_state
-  return no_pending(params, opt_state)
+  state = no_pending(params, opt_state) if fx.mode == "forward" else opt_state
+  return state if getattr(fx, "offload", None) is None else place_state(state)

@@ -96,8 +96,10 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     offload: ``"state"`` keeps the optimizer state's slots (every float state leaf with at least
       one axis: Adam's ``mu`` and ``nu``) in ``pinned_host`` memory between steps. Backward mode
       streams them through the device: one row per fused loop iteration, prefetched an
-      iteration ahead, and each tapped leaf's slots whole at its tap. Mode "off" fetches the
-      whole state for optax's update. ``None`` (default): the state lives on the device.
+      iteration ahead, and each tapped leaf's slots whole at its tap. Forward mode keeps the
+      pending gradient there too and streams both into its forward loop (global clipping
+      included). Mode "off" fetches the whole state for optax's update. ``None`` (default): the
+      state lives on the device.
 
   Returns:
     A ``FusedTransformation``.
@@ -105,8 +107,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   Raises:
     UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
       not ``None`` or "two_pass".
-    OffloadError: ``offload`` is not ``None`` or "state", or is given with forward mode or
-      ``global_ops``.
+    OffloadError: ``offload`` is not ``None`` or "state", or is given with ``global_ops``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse

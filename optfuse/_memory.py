@@ -307,7 +307,7 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       devices the step is data parallel unless the inputs carry their own shardings.
     offload: ``"state"`` compiles every mode with ``optfuse.fuse(tx, mode,
       offload="state")`` (a reserved keyword too): the state's slots in host memory, reported
-      apart as ``host_bytes``; forward mode is then unavailable.
+      apart as ``host_bytes``.
     **kwargs: keyword arguments of ``loss_fn``.
 
   Returns:

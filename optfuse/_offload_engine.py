@@ -6,6 +6,9 @@ the step is the mode's own:
 * backward fusion streams them: each tap moves its leaf's slots to the device and the new ones
   back, and each fused loop moves one row of each slot stack per iteration, prefetched one
   iteration ahead (``_row_buffers``), so the device holds a few rows of state, never the stack;
+* forward fusion streams the pending gradient too (``init`` places it with the slots): its
+  stacked leaves are updated row by row in the forward loop, and the global stage (the clipping
+  factor) is reduced from one host row at a time (``_apply.global_stage``);
 * optax's step (mode "off") fetches the whole state to the device before the update and writes
   it back after, as JAX's host-offloading tutorial and MaxText's
   ``optimizer_memory_host_offload`` do: the reference the streamed step is measured against.

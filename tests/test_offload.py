@@ -28,6 +28,12 @@ OPTIMIZERS = {
     "lion": lambda: optax.lion(1e-3),
 }
 
+def _matrix(names: list[tuple], default: set[tuple]) -> list:
+  """The cases of a parametrized test; those outside ``default`` run with ``-m slow`` (the
+  default suite keeps one case of each code path: taps, loops, clipping, Lion's row loop)."""
+  return [pytest.param(*n, marks=() if n in default else pytest.mark.slow) for n in names]
+
+
 needs_tpu = pytest.mark.skipif(not _targets.compiler_installed("tpu"),
                                reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
 
@@ -58,8 +64,9 @@ def test_init_puts_every_float_slot_in_host_memory_and_the_count_on_the_device()
                               jax.tree.map(np.asarray, optax.adamw(1e-2).init(params)))
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("model, optimizer", _matrix(
+    [(m, o) for m in sorted(MODELS) for o in sorted(OPTIMIZERS)],
+    {("tied_lm", "adamw"), ("scanned", "adamw"), ("scanned", "lion")}))
 def test_backward_fusion_with_offloaded_state_trains_like_optax_over_30_steps(model, optimizer):
   params, batches, loss = MODELS[model]()
   tx = OPTIMIZERS[optimizer]()
@@ -83,8 +90,9 @@ FORWARD_OPTIMIZERS = {**OPTIMIZERS, "clip+adamw": _clipped(OPTIMIZERS["adamw"]),
                       "clip+lion": _clipped(OPTIMIZERS["lion"])}
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("optimizer", sorted(FORWARD_OPTIMIZERS))
+@pytest.mark.parametrize("model, optimizer", _matrix(
+    [(m, o) for m in sorted(MODELS) for o in sorted(FORWARD_OPTIMIZERS)],
+    {("tied_lm", "adamw"), ("scanned", "clip+adamw"), ("scanned", "clip+lion")}))
 def test_forward_fusion_with_offloaded_state_and_gradient_trains_like_optax_over_30_steps(
     model, optimizer):
   params, batches, loss = MODELS[model]()
@@ -101,7 +109,8 @@ def test_forward_fusion_with_offloaded_state_and_gradient_trains_like_optax_over
                               jax.tree.map(np.asarray, want), **TOL)
 
 
-@pytest.mark.parametrize("mode", ["backward", "forward", "off"])
+@pytest.mark.parametrize("mode", _matrix([("backward",), ("forward",), ("off",)],
+                                          {("backward",), ("forward",)}))
 def test_offloaded_state_without_jit_trains_like_optax(mode):
   params, batches, loss = _scanned()
   tx = optax.adamw(1e-2, weight_decay=0.05)
@@ -126,7 +135,8 @@ def test_optax_step_with_offloaded_state_fetches_it_whole_and_matches_optax():
   assert _memory_kinds(got[2])[0].mu["layers"]["w"] == "pinned_host"
 
 
-@pytest.mark.parametrize("mode", ["backward", "forward", "off"])
+@pytest.mark.parametrize("mode", _matrix([("backward",), ("forward",), ("off",)],
+                                          {("backward",), ("forward",)}))
 def test_microbatches_with_offloaded_state_match_the_device_resident_step(mode):
   params, batches, loss = _scanned()
   tx = optax.adamw(1e-2, weight_decay=0.05)
@@ -144,7 +154,8 @@ def test_microbatches_with_offloaded_state_match_the_device_resident_step(mode):
                               **TOL)
 
 
-@pytest.mark.parametrize("form", ["linen_axis1", "moveaxis", "outer_remat"])
+@pytest.mark.parametrize("form", _matrix([("linen_axis1",), ("moveaxis",), ("outer_remat",)],
+                                          {("linen_axis1",)}))
 def test_real_codebase_scan_forms_train_like_optax_with_offloaded_state(form):
   m = _forms.FORMS[form](_models.DecoderConfig(layers=6, dim=16, heads=2, ff=32, vocab=32,
                                                seq=8, batch=2))
@@ -276,7 +287,8 @@ def test_a_device_resident_state_is_refused_and_from_optax_state_moves_it_to_the
   assert _memory_kinds(state)[0].nu["layers"]["w"] == "pinned_host"
 
 
-@pytest.mark.parametrize("mu_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("mu_dtype", _matrix([(jnp.bfloat16,), (jnp.float32,)],
+                                              {(jnp.bfloat16,)}))
 def test_bf16_moments_and_bf16_params_train_like_optax_with_offloaded_state(mu_dtype):
   params, batches, loss = _scanned()
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
@@ -298,3 +310,20 @@ def test_max_batch_size_with_offload_searches_the_offloaded_steps():
                                offload="state", progress=False)
   assert set(fit) == {"off", "backward", "forward"}
   assert fit["backward"] >= fit["off"] > 0
+
+
+def test_switching_optax_backward_forward_with_offload_follows_optax():
+  params, batches, loss = _scanned()
+  tx = optax.adamw(1e-2)
+  p, opt_state, losses = models.copy(params), tx.init(params), []
+  for mode in ("off", "backward", "forward"):
+    fx = optfuse.fuse(tx, mode=mode, offload="state")
+    state = optfuse.from_optax_state(fx, p, opt_state)
+    got = models.run_steps(fx.value_and_update(loss), p, state, batches[:1], 8)
+    losses.append(got[0])
+    p, opt_state = optfuse.to_optax_state(fx, got[1], got[2])
+    # Back to a plain optax state, on the device: optax's tree utilities read it.
+    assert float(optax.tree.norm(opt_state[0].mu)) > 0
+  want = models.run_optax(tx, params, batches[:1], 24, loss_fn=loss)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, (jnp.concatenate(losses), p, opt_state)),
+                              jax.tree.map(np.asarray, want), **TOL)
