@@ -24,7 +24,7 @@ import jax
 import optax
 
 from optfuse import _fuse, _placement, _targets
-from optfuse._errors import NonSeparableError, OffloadError, TargetError
+from optfuse._errors import NonSeparableError, OffloadError
 
 MODES = ("off", "backward", "forward")
 FIELDS = ("peak_bytes", "temp_bytes", "argument_bytes", "output_bytes", "alias_bytes")
@@ -152,11 +152,6 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
     laid out as ``fx.init`` lays it out from the placed params).
   """
   kwargs = dict(kwargs or {})
-  if fx.offload is not None and not _placement.host_memory_kinds(target):
-    raise TargetError(
-        f"offload={fx.offload!r} needs a pinned_host memory on the target, and the devices of "
-        f"{'this backend' if target is None else target.name} have none (the GPU compilers run "
-        "without a GPU have no memory spaces). Measure offload on a TPU target or this CPU.")
   # The offloaded state is laid out from the device-resident init (``place_offloaded``).
   init = fx.init if fx.offload is None else _fuse.fuse(fx.tx, fx.mode, fx.global_ops).init
   if target is None:
@@ -167,8 +162,14 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
     state = _placement.place_state(init, params, target)
   if fx.offload is not None:
     state = _placement.place_offloaded(state, target)
-  step = fx.value_and_update(loss_fn, has_aux=has_aux, **step_options)
-  return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *args, **kwargs)
+  step = jax.jit(fx.value_and_update(loss_fn, has_aux=has_aux, **step_options),
+                 donate_argnums=(0, 1))
+  if target is None:
+    return step.lower(params, state, *args, **kwargs)
+  # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
+  # (``_placement.place_offloaded``), which the lowering resolves against the concrete one.
+  with jax.set_mesh(target.mesh):
+    return step.lower(params, state, *args, **kwargs)
 
 
 def compile_memory(lowered: jax.stages.Lowered) -> dict[str, int] | DoesNotFit:

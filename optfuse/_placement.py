@@ -83,10 +83,10 @@ def place_state(init: Callable[[Any], Any], params: Any, target: Target) -> Any:
       shapes, shardings)
 
 
-def host_memory_kinds(target: Target | None) -> bool:
-  """Whether the devices of ``target`` (``None``: this machine's) have a ``pinned_host`` memory
-  a step's inputs can be placed in. The deviceless GPU compiler's devices have none (their
-  ``default_memory()`` is unimplemented), so a host-resident input cannot be described to it."""
+def _host_memory_kinds(target: Target | None) -> bool:
+  """Whether the devices of ``target`` (``None``: this machine's) list a ``pinned_host``
+  memory. The deviceless GPU compiler's devices list none (``default_memory()`` is
+  unimplemented there), and a ``NamedSharding`` on them drops its memory kind."""
   device = jax.devices()[0] if target is None else target.devices[0]
   try:
     return any(m.kind == "pinned_host" for m in device.addressable_memories())
@@ -97,7 +97,8 @@ def host_memory_kinds(target: Target | None) -> bool:
 def place_offloaded(state: Any, target: Target | None) -> Any:
   """``state`` (``jax.ShapeDtypeStruct``s) with the leaves ``offload="state"`` keeps in host
   memory (``_offload.offloaded``) in ``pinned_host`` memory, sharded as they were (on this
-  machine's first device when they carry no ``NamedSharding``).
+  machine's first device when they carry no ``NamedSharding``; on the target's abstract mesh
+  when its devices list no host memory, as the deviceless GPU compiler's do).
 
   The state is laid out from the device-resident ``init`` first: ``jax.eval_shape`` keeps no
   memory space, and an ``init`` that moves its output to the host gives it the default
@@ -105,12 +106,15 @@ def place_offloaded(state: Any, target: Target | None) -> Any:
   """
   devices = jax.devices()[:1] if target is None else target.devices[:1]
   mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("devices",))
+  abstract = not _host_memory_kinds(target)
 
   def place(s):
     if not offloaded(s):
       return s
     sharding = s.sharding if isinstance(s.sharding, NamedSharding) else NamedSharding(
         mesh, PartitionSpec())
+    if abstract:  # the memory kind survives on the abstract mesh (lowered under the target's)
+      sharding = NamedSharding(sharding.mesh.abstract_mesh, sharding.spec)
     return jax.ShapeDtypeStruct(s.shape, s.dtype,
                                 sharding=sharding.with_memory_kind("pinned_host"))
 

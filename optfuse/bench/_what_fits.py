@@ -28,8 +28,8 @@ from optfuse.bench._models import DecoderConfig
 WIDE = _suite.DECODER_1_3B
 MODES = ("off", "backward")
 # Backward fusion with the optimizer state in host memory (``offload="state"``), searched on
-# the targets whose compiler counts host memory apart from device memory (TPU; XLA:CPU counts
-# both as one, and the deviceless GPU compiler has no host memory space).
+# the targets whose compiler counts host memory apart from device memory (TPU and GPU; XLA:CPU
+# counts both as one).
 OFFLOAD = "backward_offload"
 LABELS = {"off": "optax", "backward": "backward fusion",
           OFFLOAD: "backward fusion, state in host memory"}
@@ -38,9 +38,8 @@ STEPS = {"off": ("off", None), "backward": ("backward", None), OFFLOAD: ("backwa
 
 def modes_of(name: str) -> tuple[str, ...]:
   """The modes searched on target ``name``: with offload where its compiler counts host memory
-  apart."""
-  target = resolve(name)
-  return MODES + ((OFFLOAD,) if target is not None and target.platform == "tpu" else ())
+  apart (every accelerator's, not XLA:CPU's)."""
+  return MODES + ((OFFLOAD,) if resolve(name) is not None else ())
 
 
 def default_targets() -> tuple[str, ...]:
