@@ -195,3 +195,16 @@ def test_what_fits_finds_the_largest_depth_per_mode_and_reuses_the_cache(tmp_pat
            "optimizer": "adamw", "mode": "off", "time_ratio": None, "peak_bytes": None},
           *({**r, **env} for r in first)]
   assert line in _report.markdown(rows)
+
+
+def test_what_fits_reports_offload_beside_each_mode_on_accelerator_targets():
+  from optfuse.bench import _what_fits
+  assert _what_fits.modes_of("cpu") == _what_fits.MODES  # XLA:CPU counts host memory as device
+  row = lambda mode, best: {"target": "tpu-v5e", "target_label": "tpu-v5e", "axis": "layers",
+                            "mode": mode, "max": best, "dim": 2048, "seq": 2048,
+                            "batch_layers": 24, "params_at_max": "1B", "budget_bytes": 16e9,
+                            "budget_source": "test"}
+  rows = [row("off", 15), row("backward", 21), row(_what_fits.OFFLOAD, 47)]
+  assert "with the state in host memory 47 layers" in _what_fits.lines(rows)[0]
+  table = _what_fits.markdown(rows)
+  assert "backward + offload: layers" in table and "| 15 | 21 | 47 |" in table

@@ -117,8 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = args.target or ("cpu",)
     fits = []
     if suite.name == "quick":
+      # Offload's searches are --what-fits' (six more compiles of a large model per target:
+      # minutes on two cores, against the quick suite's two).
       fits = _what_fits.run(args.target or _what_fits.default_targets(),
-                            use_cache=not args.no_cache, progress=progress)
+                            use_cache=not args.no_cache, progress=progress, offload=False)
     rows = _suite.run_suite(suite, progress=progress,
                             targets=tuple(_what_fits.resolve(t) for t in targets))
     rows += [{**row, **{k: rows[0][k] for k in _suite.ENV_KEYS}} for row in fits]

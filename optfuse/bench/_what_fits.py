@@ -36,10 +36,11 @@ LABELS = {"off": "optax", "backward": "backward fusion",
 STEPS = {"off": ("off", None), "backward": ("backward", None), OFFLOAD: ("backward", "state")}
 
 
-def modes_of(name: str) -> tuple[str, ...]:
-  """The modes searched on target ``name``: with offload where its compiler counts host memory
-  apart (every accelerator's, not XLA:CPU's)."""
-  return MODES + ((OFFLOAD,) if resolve(name) is not None else ())
+def modes_of(name: str, offload: bool = True) -> tuple[str, ...]:
+  """The modes searched on target ``name``: with ``offload``, backward fusion with the state in
+  host memory too where its compiler counts host memory apart (every accelerator's, not
+  XLA:CPU's)."""
+  return MODES + ((OFFLOAD,) if offload and resolve(name) is not None else ())
 
 
 def default_targets() -> tuple[str, ...]:
@@ -119,9 +120,10 @@ def search(name: str, mode: str, axis: str, peaks: Peaks, budget: int,
 
 def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool = True,
         progress: bool = True, config: DecoderConfig = WIDE,
-        budget: int | None = None) -> list[dict[str, Any]]:
+        budget: int | None = None, offload: bool = True) -> list[dict[str, Any]]:
   """One row per (target, axis, mode): the largest depth or batch of ``config`` that fits each
-  target's memory (or ``budget``, for tests), and its peaks."""
+  target's memory (or ``budget``, for tests), and its peaks; ``offload``: also with the state in
+  host memory (``modes_of``)."""
   rows, previous = [], {}
   with tqdm(desc="optfuse.bench what fits", unit="compile", disable=not progress) as bar:
     peaks = Peaks(use_cache, bar)
@@ -131,7 +133,7 @@ def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool
         label, memory, source = _memory.target_budget(resolve(name))
         memory, source = (memory, source) if budget is None else (budget, "given")
         for axis in axes:
-          for mode in modes_of(name):
+          for mode in modes_of(name, offload):
             best, seen = search(name, mode, axis, peaks, memory, previous.get((axis, mode)),
                                 config)
             previous[(axis, mode)] = seen
