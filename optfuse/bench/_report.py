@@ -59,6 +59,7 @@ _MEMORY_COLUMNS = (
     ("peak", True, lambda r: format_bytes(r["peak_bytes"])),
     ("peak vs optax", True, lambda r: _ratio(r["peak_ratio"])),
     ("temp", True, lambda r: format_bytes(r["temp_bytes"])),
+    ("host", True, lambda r: format_bytes(r.get("host_bytes") or None)),
     ("gradient", True, lambda r: format_bytes(r["grad_bytes"])),
     ("floor", True, lambda r: format_bytes(r["floor_bytes"])),
     ("peak vs floor", True, lambda r: _ratio(r["peak_vs_floor"])),
