@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from optfuse._backends import STREAMED_PREFETCH, per_platform
 from optfuse._offload import is_host, like, to_device
 
 
@@ -164,13 +165,31 @@ def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: Row
     ``(stacks, carry)`` after the last iteration.
 
   A loop with slots in host memory (``offload="state"``) prefetches every row, as on several
-  devices: the next iteration's slot rows start their host-to-device transfer at the end of
-  this iteration, so that it overlaps the next layer's pullback instead of waiting for its
-  gradient row (one row per slot more on the device, the price of the overlap).
+  devices, where the platform's compiler measured better with it (``_backends.
+  STREAMED_PREFETCH``: TPU): the next iteration's slot rows start their host-to-device transfer
+  at the end of this iteration, so that it overlaps the next layer's pullback instead of
+  waiting for its gradient row (one row per slot more on the device). Elsewhere (GPU) they are
+  read once the gradient row exists, as on one device without offload.
   """
-  streamed = any(is_host(t) for s in stacks for t in s.slots)
-  loop = _leaf_major_loop if ordered() and not streamed else _kind_major_loop
-  return loop(length, index_of, list(stacks), body, carry, first, prefetch)
+  stacks = list(stacks)
+  if not any(is_host(t) for s in stacks for t in s.slots):
+    loop = _leaf_major_loop if ordered() else _kind_major_loop
+    return loop(length, index_of, stacks, body, carry, first, prefetch)
+  axes = [s.axis for s in stacks]
+
+  def run(prefetch_slots: bool):
+    loop = _kind_major_loop if prefetch_slots or not ordered() else _leaf_major_loop
+
+    def run_loop(buffers, carry, first):
+      stacks = [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)]
+      out, carry = loop(length, index_of, stacks, body, carry, first, prefetch)
+      return [(s.param, s.slots) for s in out], carry
+
+    return run_loop
+
+  buffers, carry = per_platform(STREAMED_PREFETCH, run,
+                                [(s.param, s.slots) for s in stacks], carry, first)
+  return [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)], carry
 
 
 # The two layouts of the loop's carry. They hold the same values; XLA assigns buffers

@@ -333,3 +333,19 @@ def test_switching_optax_backward_forward_with_offload_follows_optax():
   want = models.run_optax(tx, params, batches[:1], 24, loss_fn=loss)
   chex.assert_trees_all_close(jax.tree.map(np.asarray, (jnp.concatenate(losses), p, opt_state)),
                               jax.tree.map(np.asarray, want), **TOL)
+
+
+def test_the_gpu_loop_reading_slot_rows_after_the_gradient_trains_like_optax(monkeypatch):
+  # The compilers choose the streamed loop per platform (``_backends.STREAMED_PREFETCH``): the
+  # TPU's prefetches the slot rows, the GPU's reads them once the gradient row exists. This
+  # machine runs the CPU's; here it runs the GPU's.
+  from optfuse import _row_buffers
+  monkeypatch.setattr(_row_buffers, "STREAMED_PREFETCH", {"cpu": False, "tpu": True})
+  params, batches, loss = _scanned()
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  fx = optfuse.fuse(tx, offload="state")
+  got = models.run_steps(fx.value_and_update(loss), params, fx.init(models.copy(params)),
+                         batches, 20)
+  want = models.run_optax(tx, params, batches, 20, loss_fn=loss)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
+                              **TOL)
