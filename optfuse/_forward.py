@@ -39,7 +39,7 @@ training); ``to_optax_state`` and ``from_optax_state`` convert to and from a pla
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +47,13 @@ import optax
 from jax import lax
 from jax.experimental.shard_alike import shard_alike
 
-from optfuse import _accumulate, _fused_step, _global, _leaves, _loops, _split
-from optfuse._apply import apply_update, stacked_rows, stacked_staged
+from optfuse import _accumulate, _fused_step, _global, _loops
+from optfuse._apply import apply_update
+from optfuse._backends import FORWARD_STACKED_ROWS, per_platform
 from optfuse._checks import check_params
 from optfuse._engine import Step
 from optfuse._errors import NonSeparableError, OffloadError
+from optfuse._forward_placement import placement, stacked_updates
 from optfuse._forward_state import ForwardState, check_forward_state, no_pending
 from optfuse._offload import is_host, like
 from optfuse._plan import Plan, PlanCache
@@ -122,7 +124,8 @@ def apply_pending(plan: Plan, params, state: ForwardState,
 
 
 def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
-                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int):
+                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int,
+                     rows_only: bool = False):
   """A forward-fused step over ``microbatches`` slices of the batch: ``(value, params, state)``.
 
   The pending update is applied first (stacked leaves row by row in place, or whole in place
@@ -139,8 +142,9 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   analysis = _accumulate.analyze_loss(scaled, params, batches)
   axes = analysis.loop_plan.stacked
   param_leaves = plan.params_def.flatten_up_to(params)
-  staged, rows = _stacked_updates(plan, axes, jax.tree.leaves(state.opt_state), param_leaves,
-                                  plan.params_def.flatten_up_to(state.pending_grads))
+  staged, rows = stacked_updates(plan, axes, jax.tree.leaves(state.opt_state), param_leaves,
+                                  plan.params_def.flatten_up_to(state.pending_grads),
+                                  rows_only)
   params, opt_state, _, buffers = apply_pending(plan, params, state, rows, axes=axes,
                                                 staged=staged)
 
@@ -161,7 +165,7 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
 
 def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
                      state: ForwardState, args: tuple, kwargs: dict,
-                     microbatches: int = 1) -> tuple[Any, Any, Any]:
+                     microbatches: int = 1, rows_only: bool = False) -> tuple[Any, Any, Any]:
   """One forward-fused step: ``(value, params, state)``.
 
   Args:
@@ -174,15 +178,18 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
     kwargs: keyword arguments of ``loss_fn``.
     microbatches: split the batch (the leading axis of every array argument) into this many
       slices and keep their mean gradient, as ``mode="off"`` does.
+    rows_only: update every stacked leaf whose update allows it row by row, never whole
+      (``_backends.FORWARD_STACKED_ROWS``).
 
   Returns:
     ``(value, params, state)``: the loss (or ``(loss, aux)``) at the updated params, the
     updated params and a ``ForwardState`` whose pending gradient is this step's.
   """
   if microbatches > 1:
-    return _microbatch_step(plan, loss_fn, has_aux, params, state, args, kwargs, microbatches)
-  where = placement(plan, loss_fn, params, state, args, kwargs)
-  # The new gradient is the state of a backward-fused ``_capture`` step: each leaf's gradient
+    return _microbatch_step(plan, loss_fn, has_aux, params, state, args, kwargs, microbatches,
+                            rows_only)
+  where = placement(plan, loss_fn, params, state, args, kwargs, rows_only)
+  # The new gradient is the state of a backward-fused ``capture()`` step: each leaf's gradient
   # (each row of a scanned leaf, inside the backward loop) is written into the buffer of the
   # pending gradient just consumed, which the step donates, instead of a fresh buffer that XLA
   # then copies into the donated one.
@@ -208,73 +215,6 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
     params = jax.tree.unflatten(plan.params_def, new_params)
     opt_state = jax.tree.unflatten(plan.state_def, new_state)
   return value, params, _next_state(opt_state, grads, state.pending_grads)
-
-
-class Placement(NamedTuple):
-  """Where a forward-mode step updates each leaf and captures its gradient.
-
-  Attributes:
-    capture_plan: the plan of the backward-fused step that captures the new gradient.
-    loop_plan: its loop plan: the leaves whose gradient rows a backward loop writes in place.
-    in_loop: leaves updated row by row inside the forward loop that reads them.
-    rows: other stacked leaves updated row by row, in place before the loss runs (the rest
-      are updated whole before it).
-    staged: stacked leaves updated whole through their staged (clipped) gradient, which takes
-      over the pending gradient's buffer (``apply_pending``).
-    axes: leaf -> stacked axis of every stacked leaf.
-  """
-
-  capture_plan: Plan
-  loop_plan: _loops.LoopPlan
-  in_loop: frozenset[int]
-  rows: frozenset[int]
-  staged: frozenset[int] = frozenset()
-
-  @property
-  def axes(self) -> dict:
-    return self.loop_plan.stacked
-
-
-def placement(plan: Plan, loss_fn: Callable, params, state: ForwardState,
-              args: tuple, kwargs: dict) -> Placement:
-  """Decides, from shapes alone, where each leaf's pending update runs.
-
-  A stacked leaf whose update is in place once its clipped gradient is staged
-  (``_apply.stacked_staged``) is updated whole through it. One whose update never mixes rows
-  and would hold a full-size temporary whole (``_apply.stacked_rows``) is updated row by row:
-  inside the forward loop, each row just before the layer reads it, when a backward loop
-  captures its gradient rows outside ``jax.checkpoint``, else before the loss. Every other leaf
-  is updated whole before the loss.
-  """
-  param_leaves = plan.params_def.flatten_up_to(params)
-  grad_leaves = plan.params_def.flatten_up_to(state.pending_grads)
-  state_leaves = jax.tree.leaves(state.opt_state)
-  pending = jax.tree.unflatten(plan.params_def, grad_leaves)
-  capture_plan = _split.make_plan(_capture(), params, pending)
-  diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
-  loop_plan = _loops.analyze(loss_fn, capture_plan, params, grad_leaves, args, kwargs, diff)
-  axes = loop_plan.stacked  # every float leaf a scan reads as its stacked input, any length
-  # Inside ``jax.checkpoint`` the forward loop runs again in the backward pass: an update there
-  # would be recomputed with fresh param and state stacks (measured: 1.05x optax's peak instead
-  # of 0.97x for a checkpointed 16-layer stack), so those rows are updated before the loss.
-  staged, by_rows = _stacked_updates(plan, axes, state_leaves, param_leaves, grad_leaves)
-  by_rows &= frozenset(diff)
-  in_loop = frozenset(i for i in loop_plan.fused_leaves if i in by_rows
-                      and i not in loop_plan.in_remat)
-  rows = by_rows - in_loop
-  return Placement(capture_plan, loop_plan, in_loop, rows, staged)
-
-
-def _stacked_updates(plan: Plan, axes: dict, state: list, params: list, grads: list
-                     ) -> tuple[frozenset[int], frozenset[int]]:
-  """``(staged, rows)``: the stacked leaves updated whole from their staged gradient, and
-  those updated row by row (the others are updated whole). A leaf whose pending gradient lives
-  in host memory (``offload="state"``) is updated row by row whenever its update allows: whole,
-  its gradient and slots would be on the device at once."""
-  streamed = frozenset(i for i in axes if is_host(grads[i])
-                       and plan.rowwise(i, state, params, axis=axes[i]))
-  staged = stacked_staged(plan, axes, params) - streamed
-  return staged, (stacked_rows(plan, axes, state, params) - staged) | streamed
 
 
 def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
@@ -325,18 +265,6 @@ def _next_state(opt_state, grads, pending_grads) -> ForwardState:
   return ForwardState(opt_state, grads, jnp.ones((), jnp.bool_))
 
 
-def _capture() -> optax.GradientTransformation:
-  """A transformation whose state is the last gradient (its updates are zero)."""
-  def init(params):
-    return jax.tree.map(jnp.zeros_like, params)
-
-  def update(grads, state, params=None):
-    del state, params
-    return jax.tree.map(jnp.zeros_like, grads), grads
-
-  return optax.GradientTransformation(init, update)
-
-
 def _make_plan(tx: optax.GradientTransformation, params, opt_state, streamed: bool) -> Plan:
   """The global plan of ``tx``; ``streamed`` (``offload="state"``: the pending gradient in host
   memory) with its global stage split into per-leaf statistics, which ``_apply.global_stage``
@@ -375,7 +303,12 @@ class ForwardEngine:
       check_params(params)
       check_forward_state(self.tx, params, state)
       plan = self.plans(params, state.opt_state)
-      return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, microbatches)
+
+      def run(rows_only: bool):
+        return lambda: value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
+                                        microbatches, rows_only)
+
+      return per_platform(FORWARD_STACKED_ROWS, run)
 
     return step
 
@@ -386,6 +319,9 @@ class ForwardEngine:
     return params, no_pending(params, opt_state)
 
   def placements(self, loss_fn, params, state, args, kwargs):
-    where = placement(self.plans(params, state.opt_state), loss_fn, params, state, args, kwargs)
+    # Those of this machine's backend: a step lowered for another platform takes its entry.
+    rows = FORWARD_STACKED_ROWS.get(jax.default_backend(), FORWARD_STACKED_ROWS["cpu"])
+    where = placement(self.plans(params, state.opt_state), loss_fn, params, state, args, kwargs,
+                      rows)
     placed = {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
     return placed, where.loop_plan.reasons
