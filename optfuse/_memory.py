@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optfuse import _fuse, _placement, _targets
+from optfuse import _backends, _fuse, _placement, _targets
 from optfuse._errors import NonSeparableError, OffloadError
 
 MODES = ("off", "backward", "forward")
@@ -167,8 +167,9 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
   if target is None:
     return step.lower(params, state, *args, **kwargs)
   # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
-  # (``_placement.place_offloaded``), which the lowering resolves against the concrete one.
-  with jax.set_mesh(target.mesh):
+  # (``_placement.place_offloaded``), which the lowering resolves against the concrete one; the
+  # step takes the target's per-backend choices (``_backends``).
+  with jax.set_mesh(target.mesh), _backends.lowering_for(target.platform):
     return step.lower(params, state, *args, **kwargs)
 
 
