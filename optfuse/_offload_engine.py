@@ -4,8 +4,9 @@ It wraps the mode's engine. ``init`` puts the slots in host memory (``_offload.p
 the step is the mode's own:
 
 * backward fusion streams them: each tap moves its leaf's slots to the device and the new ones
-  back, and each fused loop moves one row of each slot stack per iteration, prefetched one
-  iteration ahead (``_row_buffers``), so the device holds a few rows of state, never the stack;
+  back, and each fused loop moves one row of each slot stack per iteration (prefetched an
+  iteration ahead where the platform's compiler measured it better: ``_backends``), so the
+  device holds a few rows of state, never the stack;
 * forward fusion streams the pending gradient too (``init`` places it with the slots): its
   stacked leaves are updated row by row in the forward loop, and the global stage (the clipping
   factor) is reduced from one host row at a time (``_apply.global_stage``);
@@ -46,7 +47,9 @@ class OffloadEngine:
     return step
 
   def flush(self, params, state):
-    return self.engine.flush(params, state)
+    # Forward mode's flush starts a new pending gradient (zeros): it goes to the host too.
+    params, state = self.engine.flush(params, state)
+    return params, _offload.place_state(state)
 
   def placements(self, loss_fn, params, state, args, kwargs):
     return self.engine.placements(loss_fn, params, state, args, kwargs)

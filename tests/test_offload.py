@@ -349,3 +349,22 @@ def test_the_gpu_loop_reading_slot_rows_after_the_gradient_trains_like_optax(mon
   want = models.run_optax(tx, params, batches, 20, loss_fn=loss)
   chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
                               **TOL)
+
+
+def test_a_flushed_forward_state_keeps_training_with_its_state_in_host_memory():
+  params, batches, loss = _scanned()
+  tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+  fx = optfuse.fuse(tx, mode="forward", offload="state")
+  step = jax.jit(fx.value_and_update(loss), donate_argnums=(0, 1))
+  p, s = models.copy(params), fx.init(models.copy(params))
+  losses = []
+  for t in range(6):
+    if t == 3:  # an evaluation in the middle of training
+      p, s = jax.jit(fx.flush, donate_argnums=(0, 1))(p, s)
+      assert _memory_kinds(s.pending_grads)["embed"] == "pinned_host"
+    loss_t, p, s = step(p, s, *batches[t % len(batches)])
+    losses.append(loss_t)
+  want = models.run_optax(tx, params, batches, 6, loss_fn=loss)
+  p, opt_state = optfuse.to_optax_state(fx, p, s)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, (jnp.stack(losses), p, opt_state)),
+                              jax.tree.map(np.asarray, want), **TOL)
