@@ -1,7 +1,7 @@
 """Choices that depend on the compiler: one table per choice, keyed by platform.
 
 Each entry says what was measured on that platform's compiler to choose it. A step picks its
-entry with ``per_platform`` while it is traced, for the platform it will be lowered for: this
+entry with ``for_platform`` while it is traced, for the platform it will be lowered for: this
 machine's backend, or the target's inside ``lowering_for`` (``optfuse.memory_report`` and
 ``max_batch_size`` compile for a TPU or GPU target from this CPU in it). The step is traced
 once: ``lax.platform_dependent`` would stage every platform's alternative and trace the step
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 
 # The platform a step is being traced for, when it is not this machine's backend. Set only by
-# ``lowering_for``; read at trace time by ``per_platform``.
+# ``lowering_for``; read at trace time by ``for_platform``.
 _LOWERING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "optfuse_lowering_for", default=None)
 
@@ -65,16 +65,13 @@ def platform() -> str:
   return "cuda" if name == "gpu" else name
 
 
-def per_platform(table: dict[str, Any], choose: Callable[[Any], Callable[..., Any]],
-                 *args: Any) -> Any:
-  """``choose(table[platform()])(*args)``, with the CPU's entry for a platform not in it.
+def for_platform(table: dict[str, Any]) -> Any:
+  """``table``'s entry for ``platform()``, the CPU's for a platform not in it.
 
   Args:
     table: platform name -> the value of the choice there ("cpu", "tpu", "cuda", "rocm").
-    choose: from a value of ``table`` to the function that runs with it.
-    *args: the function's arguments.
 
   Returns:
-    What the chosen function returns.
+    The value of the choice for the platform steps are traced for now.
   """
-  return choose(table.get(platform(), table["cpu"]))(*args)
+  return table.get(platform(), table["cpu"])

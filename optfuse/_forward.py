@@ -49,7 +49,7 @@ from jax.experimental.shard_alike import shard_alike
 
 from optfuse import _accumulate, _fused_step, _global, _loops
 from optfuse._apply import apply_update
-from optfuse._backends import FORWARD_STACKED_ROWS, per_platform
+from optfuse._backends import FORWARD_STACKED_ROWS, for_platform
 from optfuse._checks import check_params
 from optfuse._engine import Step
 from optfuse._errors import NonSeparableError, OffloadError
@@ -303,12 +303,8 @@ class ForwardEngine:
       check_params(params)
       check_forward_state(self.tx, params, state)
       plan = self.plans(params, state.opt_state)
-
-      def run(rows_only: bool):
-        return lambda: value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
-                                        microbatches, rows_only)
-
-      return per_platform(FORWARD_STACKED_ROWS, run)
+      return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
+                              microbatches, for_platform(FORWARD_STACKED_ROWS))
 
     return step
 
@@ -320,8 +316,7 @@ class ForwardEngine:
 
   def placements(self, loss_fn, params, state, args, kwargs):
     # Those of this machine's backend: a step lowered for another platform takes its entry.
-    rows = FORWARD_STACKED_ROWS.get(jax.default_backend(), FORWARD_STACKED_ROWS["cpu"])
     where = placement(self.plans(params, state.opt_state), loss_fn, params, state, args, kwargs,
-                      rows)
+                      for_platform(FORWARD_STACKED_ROWS))
     placed = {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
     return placed, where.loop_plan.reasons

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optfuse._backends import STREAMED_PREFETCH, per_platform
+from optfuse._backends import STREAMED_PREFETCH, for_platform
 from optfuse._offload import is_host, like, to_device
 
 
@@ -171,25 +171,10 @@ def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: Row
   waiting for its gradient row (one row per slot more on the device). Elsewhere (GPU) they are
   read once the gradient row exists, as on one device without offload.
   """
-  stacks = list(stacks)
-  if not any(is_host(t) for s in stacks for t in s.slots):
-    loop = _leaf_major_loop if ordered() else _kind_major_loop
-    return loop(length, index_of, stacks, body, carry, first, prefetch)
-  axes = [s.axis for s in stacks]
-
-  def run(prefetch_slots: bool):
-    loop = _kind_major_loop if prefetch_slots or not ordered() else _leaf_major_loop
-
-    def run_loop(buffers, carry, first):
-      stacks = [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)]
-      out, carry = loop(length, index_of, stacks, body, carry, first, prefetch)
-      return [(s.param, s.slots) for s in out], carry
-
-    return run_loop
-
-  buffers, carry = per_platform(STREAMED_PREFETCH, run,
-                                [(s.param, s.slots) for s in stacks], carry, first)
-  return [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)], carry
+  streamed = any(is_host(t) for s in stacks for t in s.slots)
+  prefetch_slots = streamed and for_platform(STREAMED_PREFETCH)
+  loop = _leaf_major_loop if ordered() and not prefetch_slots else _kind_major_loop
+  return loop(length, index_of, list(stacks), body, carry, first, prefetch)
 
 
 # The two layouts of the loop's carry. They hold the same values; XLA assigns buffers
