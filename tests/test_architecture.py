@@ -21,7 +21,8 @@ LAYERS = [
      "_accumulate", "_apply"],
     ["_plan", "_split", "_global"],
     ["_jaxpr", "_rows", "_row_rules", "_in_place"],
-    ["_checks", "_leaves", "_errors", "_targets", "_placement", "_offload", "_backends"],
+    ["_checks", "_leaves", "_errors", "_targets", "_placement", "_offload", "_backends",
+     "_compiled"],
 ]
 LAYER_OF = {module: depth for depth, modules in enumerate(LAYERS) for module in modules}
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py"))

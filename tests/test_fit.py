@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _fit, _memory
+from optfuse import _compiled, _fit, _memory
 
 # 16 stacked 256x256 layers under a rematerialised scan, on sequences of 64 vectors: each compile
 # takes about a third of a second on CPU, one example adds about 1.4 MB to the peak and backward
@@ -34,7 +34,7 @@ def _peak(mode, b, tx=ADAMW, **step_options):
   """The compiled peak of one step, compiled here, independently of ``max_batch_size``."""
   fx = optfuse.fuse(tx, mode=mode)
   lowered = _memory.lower_step(fx, _loss, PARAMS, _args_for(b), **step_options)
-  return _memory.compiled_memory(lowered.compile())["peak_bytes"]
+  return _compiled.compiled_memory(lowered.compile())["peak_bytes"]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optfuse
-from optfuse import _fit, _memory, _targets
+from optfuse import _compiled, _fit, _memory, _targets
 
 needs_tpu = pytest.mark.skipif(not _targets.compiler_installed("tpu"),
                                reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
@@ -86,7 +86,7 @@ def test_something_that_is_no_target_is_a_target_error():
 ])
 def test_a_compiler_out_of_memory_reads_as_does_not_fit_with_the_bytes_it_needed(
     message, needed, available):
-  refusal = _memory.does_not_fit(jax.errors.JaxRuntimeError(message))
+  refusal = _compiled.does_not_fit(jax.errors.JaxRuntimeError(message))
   # The TPU compiler's "G" are GiB; two decimals of them are ~10 MB, hence the rounding.
   assert refusal.needed_bytes == int(needed * 2**30)
   assert refusal.available_bytes == int(available * 2**30)
@@ -94,8 +94,8 @@ def test_a_compiler_out_of_memory_reads_as_does_not_fit_with_the_bytes_it_needed
 
 
 def test_other_compile_errors_are_not_read_as_out_of_memory():
-  assert _memory.does_not_fit(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: bad")) is None
-  assert _memory.does_not_fit(ValueError("RESOURCE_EXHAUSTED")) is None
+  assert _compiled.does_not_fit(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: bad")) is None
+  assert _compiled.does_not_fit(ValueError("RESOURCE_EXHAUSTED")) is None
 
 
 def test_a_gpu_budget_is_the_share_jax_preallocates(monkeypatch):

@@ -40,7 +40,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optfuse
-from optfuse import _memory
+from optfuse import _compiled, _memory
 from optfuse.bench import _models, _report, _suite
 from optfuse.bench._models import DecoderConfig, Model
 
@@ -245,7 +245,7 @@ def measure(model: Model, devices: int = DEVICES, progress: bool = False) -> lis
     except Exception as e:  # a library bug: recorded, the command then exits with an error
       row["failed"] = f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
       continue
-    row.update(_memory.compiled_memory(compiled))
+    row.update(_compiled.compiled_memory(compiled))
     hlo = compiled.as_text()
     gathers[mode] = collections.Counter(all_gathers(hlo))
     row.update(all_gathers=gathers[mode].total(), collectives=collective_counts(hlo))

@@ -32,7 +32,7 @@ import optax
 from tqdm.auto import tqdm
 
 import optfuse
-from optfuse import _fuse, _memory
+from optfuse import _compiled, _fuse, _memory
 from optfuse.bench import _forms, _models, _timing
 from optfuse.bench._models import DecoderConfig, Model
 
@@ -293,7 +293,7 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
     except Exception as e:  # a library bug: recorded, the command then exits with an error
       row["failed"] = _reason(e)
       continue
-    row.update(_memory.compiled_memory(compiled))
+    row.update(_compiled.compiled_memory(compiled))
     trainers[mode] = _timing.Trainer(compiled, params, state, batch)
     compilers[mode] = lambda fx=fx, params=params: _timing.compile_step(
         fx, model.loss, params, batch, **model.step_options)[1]
