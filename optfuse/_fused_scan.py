@@ -186,7 +186,7 @@ class _ForwardLoop(NamedTuple):
     init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks)
     (_, carry_out, stacks, slot_stacks), (ys, saved, carries) = lax.scan(
         step, init, list(xs_other), length=body.length, reverse=body.eqn.params["reverse"],
-        unroll=body.eqn.params["unroll"])
+        unroll=1 if body.site.rolled else body.eqn.params["unroll"])
     slot_stacks = tuple(self.whole_slots(j, stacks[j]) if w else t
                         for j, (t, w) in enumerate(zip(slot_stacks, whole)))
     pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))

@@ -36,15 +36,6 @@ SHARED = ("read more than once (by two scans, or also outside its scan): its gra
           "complete only after every read, so it is updated once after the backward pass")
 CLOSED_OVER = ("read whole by a loop body (closed over or carried), not as its scanned input: "
                "its gradient is a sum over the iterations")
-# Measured on penzai's LayerStack, which scans with unroll=True (12 layers of d=512, no remat):
-# fused in a rolled loop, backward fusion peaked 47 MB above optax on XLA:CPU and 101 MB above
-# it on the TPU v5e compiler; as a tap it peaks at optax's.
-UNROLLED = ("its scan is fully unrolled (unroll >= its length): XLA compiles it as straight-line "
-            "code that frees each layer's residuals as the backward pass reaches them, where a "
-            "fused loop would stack every residual (penzai's LayerStack: more memory than "
-            "optax), so it is updated once after the backward pass, as optax does")
-
-
 class View(NamedTuple):
   """A value computed from a stacked param leaf, as site finding follows it to a scan.
 
@@ -72,12 +63,16 @@ class Site(NamedTuple):
     leaves: the param leaf read at each position.
     axes: the stacked axis of each stored leaf.
     paths: the row-preserving equations between each stored leaf and the scan.
+    rolled: the scan is fully unrolled (``unroll >= length``, penzai's ``LayerStack``): the
+      fused loops roll it and save only the body's narrow matmul outputs
+      (``_scan_body.narrow_matmuls_saveable``).
   """
 
   positions: tuple[int, ...]
   leaves: tuple[int, ...]
   axes: tuple[int, ...]
   paths: tuple[tuple[jcore.JaxprEqn, ...], ...]
+  rolled: bool = False
 
 
 def _use_counts(jaxpr: jcore.Jaxpr) -> dict:
@@ -206,8 +201,6 @@ class Finder(_jaxpr.Interpreter):
       if why is None and stored is None:
         why = ("no axis of the stored leaf becomes the scanned axis: a reshape or transpose "
                "on the way mixes the layer axis with another")
-      if why is None and prm["unroll"] >= length:
-        why = UNROLLED
       why = why or self.refuse(w.leaf, length, stored)
       if why is not None:
         self.reason(w.leaf, why)
@@ -220,7 +213,8 @@ class Finder(_jaxpr.Interpreter):
     if leaves and self.remat_depth:
       self.in_remat.update(leaves)
     if leaves:
-      self.sites[id(eqn)] = Site(tuple(positions), tuple(leaves), tuple(axes), tuple(paths))
+      self.sites[id(eqn)] = Site(tuple(positions), tuple(leaves), tuple(axes), tuple(paths),
+                                 rolled=prm["unroll"] >= length > 1)
       self.deferred.update(id(e) for path in paths for e in path)
     return [None] * len(eqn.outvars)
 

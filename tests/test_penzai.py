@@ -1,9 +1,11 @@
 """penzai's Llama-like ``LayerStack``: a real third-party model nobody here wrote.
 
 Its stack scans with ``unroll=True`` and without remat: XLA compiles optax's step as straight-line
-code that frees each layer's residuals as the backward pass reaches them. A rolled fused loop
-would stack every residual and peak above optax (the penzai issue: +47 MB on XLA:CPU, +101 MB on
-the TPU v5e compiler), so optfuse leaves a fully unrolled scan's leaves to taps, and says why.
+code, which keeps far fewer bytes than the residuals JAX's VJP names. A rolled fused loop that
+stacked every residual peaked above optax (the penzai issue: +230 MB on the TPU v5e compiler,
++426 MB on H100's); optfuse rolls the loop and stacks only the narrow weight-matmul outputs
+(``_scan_body.narrow_matmuls_saveable``), so backward fusion peaks below optax by more than 80 %
+of the model's gradient on every compiler, with optax's trajectory.
 """
 
 import jax
@@ -44,34 +46,39 @@ def test_penzai_layer_stack_trains_like_optax_over_20_steps(mode):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_every_stacked_leaf_of_the_unrolled_layer_stack_is_tapped_and_says_why():
+def test_every_stacked_leaf_of_the_unrolled_layer_stack_is_updated_in_the_rolled_loop():
   loss_fn, params = _penzai_model.build(_penzai_model.SMALL)
   described = optfuse.describe(TX, loss_fn, params, _tokens(_penzai_model.SMALL))
-  assert described.reasons and all("fully unrolled" in why for why in described.reasons.values())
-  assert "fully unrolled" in described.table()
+  stacked = [path for path, leaf in zip(described, jax.tree.leaves(params))
+             if leaf.ndim >= 2 and leaf.shape[0] == _penzai_model.SMALL["num_decoder_blocks"]]
+  assert stacked and all(described[path] == "loop" for path in stacked)
+  assert not described.reasons
 
 
 def _peaks(target=None):
+  """Compile-only peaks of optax's and backward fusion's steps, and the gradient's bytes."""
   loss_fn, params = _penzai_model.build(_penzai_model.ISSUE)
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   tokens = jax.ShapeDtypeStruct((2, 256), jnp.int32)
   resolved = _targets.resolve(target)
-  return {mode: _memory.compile_memory(_memory.lower_step(
+  peaks = {mode: _memory.compile_memory(_memory.lower_step(
       _fuse.fuse(TX, mode=mode), loss_fn, params, (tokens,), target=resolved))["peak_bytes"]
-          for mode in ("off", "backward")}
+           for mode in ("off", "backward")}
+  return peaks, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def test_backward_fusion_never_peaks_above_optax_on_the_penzai_issue_model():
-  peaks = _peaks()
-  assert peaks["backward"] <= peaks["off"]
+def test_backward_fusion_saves_80_percent_of_the_gradient_of_the_penzai_issue_model():
+  peaks, gradient = _peaks()
+  assert peaks["backward"] <= peaks["off"] - 0.8 * gradient
 
 
 @pytest.mark.slow
 @pytest.mark.targets
 @pytest.mark.parametrize("target", ["tpu-v5e", "h100"])
-def test_backward_fusion_never_peaks_above_optax_on_penzai_on_the_accelerator_compilers(target):
+def test_backward_fusion_saves_80_percent_of_penzai_s_gradient_on_the_accelerator_compilers(
+    target):
   platform = _targets.SPECS[target].platform
   if not _targets.compiler_installed(platform):
     pytest.skip(f'the {platform} compiler is not installed: pip install -e ".[{platform}]"')
-  peaks = _peaks(target)
-  assert peaks["backward"] <= peaks["off"]
+  peaks, gradient = _peaks(target)
+  assert peaks["backward"] <= peaks["off"] - 0.8 * gradient
