@@ -8,6 +8,7 @@ import importlib
 
 from optfuse._describe import describe as describe
 from optfuse._errors import BudgetError as BudgetError
+from optfuse._errors import GuardError as GuardError
 from optfuse._errors import LossOutputError as LossOutputError
 from optfuse._errors import MicrobatchError as MicrobatchError
 from optfuse._errors import NonSeparableError as NonSeparableError

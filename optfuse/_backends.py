@@ -23,6 +23,7 @@ import jax
 # ``lowering_for``; read at trace time by ``for_platform``.
 _LOWERING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "optfuse_lowering_for", default=None)
+_TARGET: contextvars.ContextVar[Any] = contextvars.ContextVar("optfuse_target", default=None)
 
 # Whether a row loop whose optimizer-state slots live in host memory (``offload="state"``)
 # prefetches the next iteration's slot rows (the transfer overlaps the next layer's pullback,
@@ -49,14 +50,22 @@ FORWARD_STACKED_ROWS = {"tpu": True, "cuda": True, "rocm": True, "cpu": False}
 
 
 @contextlib.contextmanager
-def lowering_for(platform: str | None) -> Iterator[None]:
+def lowering_for(platform: str | None, target: Any = None) -> Iterator[None]:
   """Steps traced inside are traced for ``platform`` ("tpu", "cuda"...; ``None``: this
-  machine's backend)."""
-  token = _LOWERING_FOR.set(platform)
+  machine's backend), and for the resolved ``target`` (``_targets.Target``) when given: what
+  a step compiles on its own (the memory guard) it compiles for that target."""
+  token, target_token = _LOWERING_FOR.set(platform), _TARGET.set(target)
   try:
     yield
   finally:
     _LOWERING_FOR.reset(token)
+    _TARGET.reset(target_token)
+
+
+def target() -> Any:
+  """The resolved target steps are traced for now, or ``None`` (this machine's default
+  device)."""
+  return _TARGET.get()
 
 
 def platform() -> str:

@@ -9,12 +9,13 @@ and the update of the sum follows the loop over microbatches (``_accumulate.fuse
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import jax
 import optax
 
-from optfuse import _accumulate, _checks, _fused_step, _leaves, _loops, _split
+from optfuse import _accumulate, _checks, _fused_step, _guard, _leaves, _loops, _split
 from optfuse._engine import Step
 from optfuse._plan import Plan, PlanCache
 
@@ -25,9 +26,10 @@ class BackwardEngine:
   unplaced = "tap"
   two_pass = False
 
-  def __init__(self, tx: optax.GradientTransformation):
+  def __init__(self, tx: optax.GradientTransformation, guard: bool = False):
     self.tx = tx
-    self.plans = PlanCache(self.make_plan)
+    self.guard = guard
+    self.plans = _GuardedPlans(PlanCache(self.make_plan))
 
   def make_plan(self, params, state) -> Plan:
     return _split.make_plan(self.tx, params, state)
@@ -47,15 +49,74 @@ class BackwardEngine:
                                                                 args, kwargs)
     else:
       inner = _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
+    if self.guard:
+      inner = self.guarded(inner, loss_fn)
     return _checks.checked_step(self.tx, inner)
+
+  def guarded(self, inner: Step, loss_fn: Callable) -> Step:
+    """``inner`` with the fused leaves the memory guard taps (``_guard``), decided once per
+    input shapes."""
+    decisions: dict = {}
+
+    def step(params, state, *args, **kwargs):
+      key = _guard.shapes_key(params, state, args, kwargs)
+      if key not in decisions:
+        decisions[key] = self.decide(inner, loss_fn, params, state, args, kwargs)
+      with self.plans.refusing(decisions[key]):
+        return inner(params, state, *args, **kwargs)
+
+    return step
+
+  def decide(self, inner: Step, loss_fn: Callable, params, state, args: tuple, kwargs: dict
+             ) -> dict[int, str]:
+    """The fused leaves the memory guard taps: ``_guard.decide`` on ``inner``'s peaks."""
+    sites = [site.leaves for site in self.analyze(loss_fn, params, state, args,
+                                                  kwargs).sites.values()]
+
+    def peak_of(tapped: frozenset) -> int:
+      with self.plans.refusing(dict.fromkeys(tapped, "tapped by the memory guard's probe")):
+        return _guard.peak(inner, params, state, args, kwargs, self.tx.init)
+
+    return _guard.decide(sites, peak_of)
+
+  def analyze(self, loss_fn: Callable, params, state, args: tuple, kwargs: dict
+              ) -> _loops.LoopPlan:
+    plan = self.plans(params, state)
+    leaves = plan.params_def.flatten_up_to(params)
+    diff = [i for i, p in enumerate(leaves) if _leaves.is_float(p)]
+    return _loops.analyze(loss_fn, plan, params, jax.tree.leaves(state), args, kwargs, diff,
+                          two_pass=self.two_pass and not plan.is_separable)
 
   def flush(self, params, state):
     return params, state
 
   def placements(self, loss_fn, params, state, args, kwargs):
-    plan = self.plans(params, state)
-    leaves = plan.params_def.flatten_up_to(params)
-    diff = [i for i, p in enumerate(leaves) if _leaves.is_float(p)]
-    loop_plan = _loops.analyze(loss_fn, plan, params, jax.tree.leaves(state), args, kwargs, diff,
-                               two_pass=self.two_pass and not plan.is_separable)
+    refused: dict = {}
+    if self.guard:
+      has_aux = _checks.returns_pair(loss_fn, params, args, kwargs)
+      inner = lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
+                                                                args, kwargs)
+      refused = self.decide(inner, loss_fn, params, state, args, kwargs)
+    with self.plans.refusing(refused):
+      loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
     return dict.fromkeys(loop_plan.fused_leaves, "loop"), loop_plan.reasons
+
+class _GuardedPlans:
+  """The plans of a ``PlanCache``, with the leaves the memory guard taps refused their loops
+  (``Plan.refused``) while ``refusing`` is active."""
+
+  def __init__(self, plans: PlanCache):
+    self._plans = plans
+    self._refused: tuple = ()
+
+  def __call__(self, params, state) -> Plan:
+    plan = self._plans(params, state)
+    return plan._replace(refused=self._refused) if self._refused else plan
+
+  @contextlib.contextmanager
+  def refusing(self, refused: dict[int, str]) -> Iterator[None]:
+    outer, self._refused = self._refused, tuple(sorted(refused.items()))
+    try:
+      yield
+    finally:
+      self._refused = outer

@@ -6,6 +6,8 @@ traced and before anything runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -117,6 +119,12 @@ def check_loss(value, has_aux: bool):
         f"the loss must be a float scalar, got shape {shape} and dtype {dtype}; reduce it "
         "(e.g. with .mean()) and make it floating point.")
   return loss, aux
+
+
+def returns_pair(loss_fn: Callable, params, args: tuple, kwargs: dict) -> bool:
+  """Whether ``loss_fn`` returns a ``(loss, aux)`` pair, decided from its abstract output."""
+  out = jax.eval_shape(lambda p, a, kw: loss_fn(p, *a, **kw), params, args, kwargs)
+  return isinstance(out, (tuple, list)) and len(out) == 2
 
 
 def checked_step(tx: optax.GradientTransformation, inner):

@@ -74,7 +74,7 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     >>> optfuse.describe(optax.adam(1e-3), loss, params, jnp.ones(3))
     {"['head']": 'tap', "['layers']": 'loop'}
   """
-  engine = (_fuse.make_engine(tx.tx, tx.mode, tx.global_ops)
+  engine = (_fuse.make_engine(tx.tx, tx.mode, tx.global_ops, guard=tx.guard)
             if isinstance(tx, _fuse.FusedTransformation) else _fuse.make_engine(tx))
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   params = jax.tree.map(spec, params)

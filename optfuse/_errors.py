@@ -63,3 +63,12 @@ class OffloadError(OptfuseError, ValueError):
   (fetched whole for optax's update), not with ``global_ops="two_pass"``. Also raised when a
   step is given a state whose slots are in device memory.
   """
+
+
+class GuardError(OptfuseError, ValueError):
+  """``guard`` was given a value other than ``True`` or ``False``, or ``True`` in a mode it
+  does not guard.
+
+  The memory guard (``fuse``'s ``guard``) compiles backward mode's step for its input shapes
+  and keeps only the loops that lower its peak: it runs in ``mode="backward"``.
+  """

@@ -11,7 +11,7 @@ import optax
 from optfuse import _checks, _jaxpr, _offload, _split
 from optfuse._backward import BackwardEngine
 from optfuse._engine import Engine
-from optfuse._errors import UnknownModeError
+from optfuse._errors import GuardError, UnknownModeError
 from optfuse._forward import ForwardEngine
 from optfuse._off import OffEngine
 from optfuse._offload_engine import OffloadEngine
@@ -36,6 +36,7 @@ class FusedTransformation(NamedTuple):
     tx: the wrapped optax transformation.
     global_ops: ``None`` or ``"two_pass"``, as passed to ``optfuse.fuse``.
     offload: ``None`` or ``"state"``, as passed to ``optfuse.fuse``.
+    guard: whether the memory guard keeps only loops that lower the compiled peak.
   """
 
   init: Callable[[Any], Any]
@@ -45,6 +46,7 @@ class FusedTransformation(NamedTuple):
   tx: optax.GradientTransformation
   global_ops: str | None = None
   offload: str | None = None
+  guard: bool = False
 
 
 # The engine of each mode (``_engine.Engine``); ``ENGINE_OF`` names the engine of a
@@ -59,27 +61,37 @@ ENGINE_OF = {("backward", "two_pass"): "two_pass"}
 
 
 def make_engine(tx: optax.GradientTransformation, mode: str = "backward",
-                global_ops: str | None = None, offload: str | None = None) -> Engine:
-  """The engine that runs ``tx`` in ``mode``, with ``global_ops`` and ``offload``.
+                global_ops: str | None = None, offload: str | None = None,
+                guard: bool = False) -> Engine:
+  """The engine that runs ``tx`` in ``mode``, with ``global_ops``, ``offload`` and ``guard``.
 
   Raises:
     UnknownModeError: ``mode`` or ``global_ops`` is not one ``fuse`` accepts.
     OffloadError: ``offload`` is not one ``fuse`` accepts, or does not run in ``mode``.
+    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
   """
   if mode not in MODES:
     raise UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
   if global_ops not in GLOBAL_OPS:
     raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
   _offload.check_offload(offload, mode, global_ops)
+  if not isinstance(guard, bool):
+    raise GuardError(f"guard must be True or False, not {guard!r}.")
+  if guard and mode != "backward":
+    raise GuardError(f'guard=True guards the loops of mode="backward", not mode={mode!r}; '
+                     'use mode="backward", or guard=False.')
+  name = ENGINE_OF.get((mode, global_ops), mode)
   if offload is None:
-    return ENGINES[ENGINE_OF.get((mode, global_ops), mode)](tx)
+    return ENGINES[name](tx, guard=True) if guard else ENGINES[name](tx)
   # Forward fusion streams the pending gradient too: its global stage from row statistics.
-  engine = ForwardEngine(tx, streamed=True) if mode == "forward" else ENGINES[mode](tx)
+  engine = (ForwardEngine(tx, streamed=True) if mode == "forward"
+            else ENGINES[mode](tx, guard=True) if guard else ENGINES[mode](tx))
   return OffloadEngine(engine, whole=mode == "off")
 
 
 def fuse(tx: optax.GradientTransformation, mode: str = "backward",
-         global_ops: str | None = None, offload: str | None = None) -> FusedTransformation:
+         global_ops: str | None = None, offload: str | None = None,
+         guard: bool = False) -> FusedTransformation:
   """Fuses the optax transformation ``tx`` into the training step.
 
   Args:
@@ -100,6 +112,12 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
       pending gradient there too and streams both into its forward loop (global clipping
       included). Mode "off" fetches the whole state for optax's update. ``None`` (default): the
       state lives on the device.
+    guard: backward mode only. ``True``: the first trace of the step for given input shapes
+      compiles it twice more (every loop fused; every fused leaf tapped; with several fused
+      scans, once more per scan) for the platform it is traced for, and keeps the placement
+      with the lowest compiled peak, so that fusion never peaks above taps (which peak at
+      optax's); ``describe(fx, ...).reasons`` says which loops it gave up and both peaks.
+      ``False`` (default): every loop that can fuse is fused.
 
   Returns:
     A ``FusedTransformation``.
@@ -108,6 +126,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
       not ``None`` or "two_pass".
     OffloadError: ``offload`` is not ``None`` or "state", or is given with ``global_ops``.
+    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse
@@ -119,7 +138,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     >>> float(loss)
     5.0
   """
-  engine = make_engine(tx, mode, global_ops, offload)
+  engine = make_engine(tx, mode, global_ops, offload, guard)
 
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
@@ -128,7 +147,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
 
   return FusedTransformation(engine.init, value_and_update,
                              _jaxpr.with_shared_scalars(engine.flush), mode, tx, global_ops,
-                             offload)
+                             offload, guard)
 
 
 def check_separable(tx: optax.GradientTransformation, params) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import optax
 
-from optfuse import _backends, _fuse, _placement, _targets
+from optfuse import _backends, _checks, _fuse, _placement, _targets
 from optfuse._compiled import FIELDS, HOST_FIELDS, DoesNotFit, compile_memory, format_bytes
 from optfuse._errors import NonSeparableError, OffloadError
 
@@ -41,8 +41,7 @@ def first_sentence(text: str) -> str:
 
 def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
   """Whether ``loss_fn`` returns a ``(loss, aux)`` pair, decided from its abstract output."""
-  out = jax.eval_shape(loss_fn, params, *args, **kwargs)
-  return isinstance(out, (tuple, list)) and len(out) == 2
+  return _checks.returns_pair(loss_fn, params, args, kwargs)
 
 
 def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
@@ -84,7 +83,7 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
   # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
   # (``_placement.place_offloaded``), which the lowering resolves against the concrete one; the
   # step takes the target's per-backend choices (``_backends``).
-  with jax.set_mesh(target.mesh), _backends.lowering_for(target.platform):
+  with jax.set_mesh(target.mesh), _backends.lowering_for(target.platform, target):
     return step.lower(params, state, *args, **kwargs)
 
 
@@ -192,8 +191,8 @@ def target_budget(target: _targets.Target | None) -> tuple[str, int | None, str]
 
 
 def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: Any, *args: Any,
-                  target: Any = None, offload: str | None = None, **kwargs: Any
-                  ) -> MemoryReport:
+                  target: Any = None, offload: str | None = None, guard: bool = False,
+                  **kwargs: Any) -> MemoryReport:
   """Compiled memory of the optax step and of the fused steps, without running anything.
 
   Each mode's step is ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` lowered
@@ -214,6 +213,8 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     offload: ``"state"`` compiles every mode with ``optfuse.fuse(tx, mode,
       offload="state")`` (a reserved keyword too): the state's slots in host memory, reported
       apart as ``host_bytes``.
+    guard: ``True`` compiles backward mode with ``optfuse.fuse(tx, guard=True)`` (a reserved
+      keyword too): its loops kept only where they lower the peak on ``target``.
     **kwargs: keyword arguments of ``loss_fn``.
 
   Returns:
@@ -243,7 +244,7 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
   rows, unavailable, refused = {}, {}, {}
   for mode in MODES:
     try:
-      fx = _fuse.fuse(tx, mode=mode, offload=offload)
+      fx = _fuse.fuse(tx, mode=mode, offload=offload, guard=guard and mode == "backward")
       memory = compile_memory(lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
                                          target=resolved))
     except UNAVAILABLE_ERRORS as e:

@@ -110,6 +110,7 @@ class Plan(NamedTuple):
       *new_state[global_outs])``, or ``None`` for a separable transform.
     global_reads: which inputs ``global_jaxpr`` reads.
     stats: the global stage as per-leaf statistics, or ``None`` unless asked for.
+    refused: ``(leaf, why)`` pairs, leaves kept out of every loop (the memory guard's taps).
   """
 
   params_def: Any
@@ -126,6 +127,7 @@ class Plan(NamedTuple):
   global_jaxpr: jcore.Jaxpr | None = None
   global_reads: tuple[bool, ...] = ()
   stats: StatsPlan | None = None
+  refused: tuple[tuple[int, str], ...] = ()
 
   @property
   def is_separable(self) -> bool:
@@ -293,6 +295,8 @@ class Plan(NamedTuple):
     This is the one test of every mode: backward loops, two-pass loops, forward loops and row
     updates before the loss.
     """
+    if (refused := dict(self.refused).get(i)) is not None:
+      return refused
     group, p = self.groups[i], params[i]
     shape = jnp.shape(p)
     length = shape[axis] if len(shape) > axis else 0

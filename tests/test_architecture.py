@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "optfuse"
 # Top to bottom, as in the README's Design table.
 LAYERS = [
     ["__init__", "_fuse", "_describe", "_memory", "_fit", "_train_step", "linen", "nnx"],
-    ["_engine", "_off", "_backward", "_two_pass", "_forward", "_forward_state",
+    ["_engine", "_off", "_backward", "_guard", "_two_pass", "_forward", "_forward_state",
      "_forward_placement", "_offload_engine"],
     ["_fused_step", "_tap", "_loops", "_sites", "_fused_scan", "_scan_body", "_row_buffers",
      "_accumulate", "_apply"],
