@@ -11,6 +11,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -67,3 +68,9 @@ def test_port_train_step_is_a_two_line_change_that_trains_alike():
 def test_offload_state_trains_like_optax_with_the_state_in_host_memory():
   example = _load("offload_state")
   assert example.train_check(steps=3) < TOL
+
+
+def test_penzai_layer_stack_trains_like_optax_with_and_without_the_guard():
+  pytest.importorskip("penzai")
+  example = _load("penzai_layer_stack")
+  assert all(diff < TOL for diff in example.train_check(steps=3).values())

@@ -32,7 +32,7 @@ import optax
 from tqdm.auto import tqdm
 
 import optfuse
-from optfuse import _compiled, _fuse, _memory
+from optfuse import _compiled, _fuse, _memory, _targets
 from optfuse.bench import _forms, _models, _timing
 from optfuse.bench._models import DecoderConfig, Model
 
@@ -352,7 +352,25 @@ def run_large(model: Model, target: Any = None) -> list[dict[str, Any]]:
       else:
         row["unavailable"] = _memory.first_sentence(rep.unavailable[mode])
       rows.append(row)
+  if target is not None and model.name not in LARGE_DECODERS:
+    rows.append(_guarded_row(model, params, target, {**base, "target": report.target}, off,
+                             stacked))
   return rows
+
+
+def _guarded_row(model: Model, params, target: Any, base: dict, off: int | None,
+                 stacked: int | None) -> dict[str, Any]:
+  """The ``"backward+guard"`` row: backward fusion with ``guard=True`` on an accelerator's
+  compiler (its loops kept only where they lower the peak there)."""
+  fx = optfuse.fuse(optax.adamw(1e-3), guard=True)
+  memory = _compiled.compile_memory(_memory.lower_step(
+      fx, model.loss, params, _models.abstract(model.batch), target=_targets.resolve(target)))
+  row = {**base, "mode": "backward+guard"}
+  if isinstance(memory, _compiled.DoesNotFit):
+    return {**row, "unavailable": str(memory)}
+  peak = memory["peak_bytes"]
+  return {**row, **memory, "peak_ratio": peak / off if off else None,
+          "saved_of_stacked": (off - peak) / stacked if stacked and off else None}
 
 
 def run_suite(suite: Suite, progress: bool = True, targets: tuple[Any, ...] = (None,)
