@@ -18,7 +18,7 @@ from optfuse._fuse import fuse
 
 def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
                mode: str | None = None, global_ops: str | None = None,
-               microbatches: int | None = None) -> Callable:
+               microbatches: int | None = None, guard: bool = False) -> Callable:
   """Turns ``loss_fn(params, *args)`` into ``step(state, *args) -> (value, state)``.
 
   ``step(state, *args)`` does what ``jax.value_and_grad(loss_fn)(state.params, *args)`` followed
@@ -40,6 +40,8 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
       for an ``optfuse.linen.TrainState``, else ``None``.
     microbatches: split every array argument along its leading axis into this many microbatches
       whose mean gradient makes one update; the value is their mean loss.
+    guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
+      ``optfuse.fuse``); an ``optfuse.linen.TrainState`` uses its own ``guard``.
 
   Returns:
     ``step(state, *args, **kwargs) -> (value, state)``: the loss (or ``(loss, aux)``) at the old
@@ -63,7 +65,7 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
   """
   if loss_fn is None:
     return functools.partial(train_step, has_aux=has_aux, mode=mode, global_ops=global_ops,
-                             microbatches=microbatches)
+                             microbatches=microbatches, guard=guard)
   fused_by_tx: dict = {}
 
   @functools.wraps(loss_fn)
@@ -85,7 +87,7 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
                                     microbatches=microbatches, **kwargs)
     key = (state.tx, mode or "backward", global_ops)
     if key not in fused_by_tx:
-      fused_by_tx[key] = fuse(*key)
+      fused_by_tx[key] = fuse(*key, guard=guard)
     update = fused_by_tx[key].value_and_update(loss_fn, has_aux=has_aux,
                                                microbatches=microbatches)
     value, params, opt_state = update(state.params, state.opt_state, *args, **kwargs)

@@ -39,7 +39,10 @@ class TrainState(train_state.TrainState):
       "off" mode, so checkpoints and ``apply_gradients`` interoperate with plain Flax.
     mode: the fusion mode, "backward", "forward" or "off" (static: part of the jit cache key).
     global_ops: ``None`` or ``"two_pass"`` (see ``optfuse.fuse``; static).
-    fused: the ``optfuse.fuse(tx, mode, global_ops)`` transformation, built once by ``create``
+    guard: whether backward mode keeps only the loops that lower the compiled peak (see
+      ``optfuse.fuse``; static).
+    fused: the ``optfuse.fuse(tx, mode, global_ops, guard=guard)`` transformation, built once by
+      ``create``
       and carried
       along by ``replace`` so that its update plans are cached across steps.
 
@@ -60,12 +63,14 @@ class TrainState(train_state.TrainState):
 
   mode: str = struct.field(pytree_node=False, default="backward", kw_only=True)
   global_ops: str | None = struct.field(pytree_node=False, default=None, kw_only=True)
+  guard: bool = struct.field(pytree_node=False, default=False, kw_only=True)
   fused: FusedTransformation | None = struct.field(
       pytree_node=False, default=None, kw_only=True, repr=False)
 
   @classmethod
   def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation,
-             mode: str = "backward", global_ops: str | None = None, **kwargs) -> TrainState:
+             mode: str = "backward", global_ops: str | None = None, guard: bool = False,
+             **kwargs) -> TrainState:
     """A new state with ``step=0`` and ``opt_state = optfuse.fuse(tx, mode).init(params)``.
 
     Args:
@@ -75,6 +80,8 @@ class TrainState(train_state.TrainState):
       mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
       global_ops: ``"two_pass"`` lets backward mode run global transforms such as
         ``clip_by_global_norm`` (see ``optfuse.fuse``).
+      guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
+        ``optfuse.fuse``).
       **kwargs: the other fields of a subclass (``batch_stats=...``).
 
     Returns:
@@ -82,6 +89,7 @@ class TrainState(train_state.TrainState):
 
     Raises:
       UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
+      GuardError: ``guard`` is ``True`` outside backward mode.
       ParamsStructureError: ``params`` holds fp8 overwrite-with-gradient params, which are not
         trained by ``tx`` and cannot be fused.
     """
@@ -90,15 +98,15 @@ class TrainState(train_state.TrainState):
           f"params hold a {OVERWRITE_WITH_GRADIENT!r} collection (fp8 training); its values are "
           "overwritten by their gradients, not trained by tx, so optfuse cannot fuse them. Use "
           "flax.training.train_state.TrainState for fp8 training.")
-    fused = fuse(tx, mode, global_ops)
+    fused = fuse(tx, mode, global_ops, guard=guard)
     return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=fused.init(params),
-               mode=mode, global_ops=global_ops, fused=fused, **kwargs)
+               mode=mode, global_ops=global_ops, guard=guard, fused=fused, **kwargs)
 
   def _fused(self) -> FusedTransformation:
     if (self.fused is not None and self.fused.tx is self.tx and self.fused.mode == self.mode
-        and self.fused.global_ops == self.global_ops):
+        and self.fused.global_ops == self.global_ops and self.fused.guard == self.guard):
       return self.fused
-    return fuse(self.tx, self.mode, self.global_ops)
+    return fuse(self.tx, self.mode, self.global_ops, guard=self.guard)
 
   def value_and_update(self, loss_fn: Callable, *args, has_aux: bool = False,
                        microbatches: int | None = None, **kwargs) -> tuple[Any, TrainState]:

@@ -38,8 +38,10 @@ class Optimizer(nnx.Optimizer[M]):
   Attributes:
     mode: the fusion mode, "backward", "forward" or "off".
     global_ops: ``None`` or ``"two_pass"`` (see ``optfuse.fuse``).
-    fused: the ``optfuse.fuse(tx, mode, global_ops)`` transformation; it caches the update
-      plans.
+    guard: whether backward mode keeps only the loops that lower the compiled peak (see
+      ``optfuse.fuse``).
+    fused: the ``optfuse.fuse(tx, mode, global_ops, guard=guard)`` transformation; it caches
+      the update plans.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse.nnx
@@ -58,7 +60,8 @@ class Optimizer(nnx.Optimizer[M]):
 
   def __init__(self, model: M, tx: optax.GradientTransformation, *,
                wrt: filterlib.Filter = nnx.Param, mode: str = "backward",
-               global_ops: str | None = None, graph: bool | None = None):
+               global_ops: str | None = None, guard: bool = False,
+               graph: bool | None = None):
     """Builds the optimizer state of the ``wrt`` variables of ``model``.
 
     Args:
@@ -68,12 +71,15 @@ class Optimizer(nnx.Optimizer[M]):
       mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
       global_ops: ``"two_pass"`` lets backward mode run global transforms such as
         ``clip_by_global_norm`` (see ``optfuse.fuse``).
+      guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
+        ``optfuse.fuse``).
       graph: NNX graph mode (``True``) or tree mode (``False``); ``None``: NNX's current mode.
 
     Raises:
       UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
+      GuardError: ``guard`` is ``True`` outside backward mode.
     """
-    fused = fuse(tx, mode, global_ops)
+    fused = fuse(tx, mode, global_ops, guard=guard)
     # nnx.Optimizer.__init__ would build the state with tx.init; the fused transformation's init
     # gives the layout of its mode, so the attributes are set here as nnx.Optimizer sets them.
     self.graph = graph
@@ -84,6 +90,7 @@ class Optimizer(nnx.Optimizer[M]):
     self.wrt = wrt
     self.mode = mode
     self.global_ops = global_ops
+    self.guard = guard
     self.fused = fused
 
   def value_and_update(self, model: M, loss_fn: Callable, *args, has_aux: bool = False,

@@ -119,7 +119,8 @@ def _setup(case: str):
   return model, variables["params"], variables.get("batch_stats", {}), batch, loss_fn
 
 
-def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS):
+def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS,
+           guard: bool = False):
   model, params, batch_stats, batch, loss_fn = _setup(case)
   tx = optax.adamw(1e-2, weight_decay=1e-2)
   if variant == "flax":
@@ -133,7 +134,7 @@ def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS):
       return state.replace(batch_stats=stats), loss
   elif variant == "train_state":
     state = FusedState.create(apply_fn=model.apply, params=params, tx=tx, mode=mode,
-                              batch_stats=batch_stats)
+                              guard=guard, batch_stats=batch_stats)
 
     def train_step(state, batch):
       key = jax.random.fold_in(DROPOUT_KEY, state.step)
@@ -142,7 +143,7 @@ def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS):
       return state.replace(batch_stats=stats), loss
   else:
     state = FlaxState.create(apply_fn=model.apply, params=params, tx=tx, batch_stats=batch_stats)
-    fused_step = optfuse._train_step.train_step(loss_fn, has_aux=True, mode=mode)
+    fused_step = optfuse._train_step.train_step(loss_fn, has_aux=True, mode=mode, guard=guard)
 
     def train_step(state, batch):
       key = jax.random.fold_in(DROPOUT_KEY, state.step)
@@ -187,6 +188,14 @@ RUNS += [("conv_batchnorm_dropout", variant, "off") for variant in ("train_state
 def test_fused_step_matches_flax_apply_gradients_over_50_steps(case, variant, mode):
   ref_losses, ref_state = _reference(case)
   losses, state = _train(case, variant, mode)
+  np.testing.assert_allclose(losses, ref_losses, **TOL)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+
+
+@pytest.mark.parametrize("variant", ["train_state", "decorator"])
+def test_guarded_scanned_blocks_match_flax_apply_gradients(variant):
+  ref_losses, ref_state = _reference("scanned_blocks")
+  losses, state = _train("scanned_blocks", variant, guard=True)
   np.testing.assert_allclose(losses, ref_losses, **TOL)
   chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
 

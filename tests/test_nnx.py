@@ -130,12 +130,13 @@ def _pure(tree):
       nnx.as_pure(tree))
 
 
-def _train(case: str, fused: bool, mode: str = "backward", steps: int = STEPS):
+def _train(case: str, fused: bool, mode: str = "backward", steps: int = STEPS,
+           guard: bool = False):
   """Trains ``steps`` steps; returns the losses and the trained state in optax's layout."""
   model, loss_fn, args = CASES[case]()
   tx = optax.adamw(1e-2, weight_decay=1e-2)
   if fused:
-    optimizer = optfuse.nnx.Optimizer(model, tx, wrt=nnx.Param, mode=mode)
+    optimizer = optfuse.nnx.Optimizer(model, tx, wrt=nnx.Param, mode=mode, guard=guard)
 
     @nnx.jit
     def train_step(model, optimizer, args):
@@ -179,6 +180,13 @@ RUNS += [("conv_batchnorm_dropout", "off")]
 def test_fused_step_matches_nnx_optimizer_update_over_50_steps(case, mode):
   ref_losses, ref_state = _reference(case)
   losses, state = _train(case, fused=True, mode=mode)
+  np.testing.assert_allclose(losses, ref_losses, **TOL)
+  chex.assert_trees_all_close(state, ref_state, **TOL)
+
+
+def test_guarded_scanned_blocks_match_nnx_optimizer_update():
+  ref_losses, ref_state = _reference("scanned_blocks")
+  losses, state = _train("scanned_blocks", fused=True, guard=True)
   np.testing.assert_allclose(losses, ref_losses, **TOL)
   chex.assert_trees_all_close(state, ref_state, **TOL)
 
