@@ -33,6 +33,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from optfuse import _rows
+from optfuse._backends import CARRIED_STACKS, for_platform
 from optfuse._leaves import is_float, is_float_aval
 from optfuse._row_buffers import (
   Stack,
@@ -119,7 +120,8 @@ class _ForwardLoop(NamedTuple):
   it: XLA's CPU fusion writes a stacked row in place only from a row of its own, so each slot
   row rewritten in the loop costs a copy of the old row and a write, where a whole elementwise
   pass over the stack runs in place (measured, 8 stacked 256x256 AdamW leaves: 1.18 ms for
-  the update row by row, 0.68 ms with the slots whole, 0.55 ms for optax's).
+  the update row by row, 0.68 ms with the slots whole, 0.55 ms for optax's). On TPU the
+  loop carries the other param stacks too (``_backends.CARRIED_STACKS``).
   """
 
   body: Body
@@ -172,8 +174,13 @@ class _ForwardLoop(NamedTuple):
       index = self.index_of(k)
       stacks, slot_stacks, p_rows = list(stacks), list(slot_stacks), []
       for j, (u, axis) in enumerate(zip(pre, body.site.axes)):
-        p_rows.append(row_at(pstacks[j], index, axis) if u is None
-                      else self.pre_update(j, stacks, slot_stacks, index))
+        if u is not None:
+          p_rows.append(self.pre_update(j, stacks, slot_stacks, index))
+        elif carried:  # read from the carry, written back (``_backends.CARRIED_STACKS``)
+          p_rows.append(row_at(stacks[j], index, axis))
+          stacks[j] = write_row(stacks[j], lax.optimization_barrier(p_rows[-1]), index, axis)
+        else:
+          p_rows.append(row_at(pstacks[j], index, axis))
       out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)
       saved = residuals_of(residuals, pullback, "saved") if save else []
       carries = c if save and residuals.needs_carry else None
@@ -182,7 +189,8 @@ class _ForwardLoop(NamedTuple):
     whole = [u is not None and u.slots_fn is not None for u in pre]
     slot_stacks = tuple(u[1] if u is not None and not w else ()
                         for u, w in zip(self.pre_in, whole))
-    stacks = tuple(None if u is None else p for p, u in zip(pstacks, pre))
+    carried = for_platform(CARRIED_STACKS) and not body.site.in_remat
+    stacks = tuple(p if u is not None or carried else None for p, u in zip(pstacks, pre))
     init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks)
     (_, carry_out, stacks, slot_stacks), (ys, saved, carries) = lax.scan(
         step, init, list(xs_other), length=body.length, reverse=body.eqn.params["reverse"],
@@ -190,7 +198,8 @@ class _ForwardLoop(NamedTuple):
     slot_stacks = tuple(self.whole_slots(j, stacks[j]) if w else t
                         for j, (t, w) in enumerate(zip(slot_stacks, whole)))
     pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))
-    new_pstacks = tuple(p if u is None else q for p, q, u in zip(pstacks, stacks, pre))
+    new_pstacks = tuple(p if u is None and not carried else q
+                        for p, q, u in zip(pstacks, stacks, pre))
     return carry_out, ys, saved, carries, pre_out, new_pstacks
 
   def probe(self, pstacks, consts, carry, xs_other) -> tuple[Residuals, list]:

@@ -66,6 +66,8 @@ class Site(NamedTuple):
     rolled: the scan is fully unrolled (``unroll >= length``, penzai's ``LayerStack``): the
       fused loops roll it and save only the body's narrow matmul outputs
       (``_scan_body.narrow_matmuls_saveable``).
+    in_remat: the scan sits inside ``jax.checkpoint`` (its forward loop runs again in the
+      backward pass).
   """
 
   positions: tuple[int, ...]
@@ -73,6 +75,7 @@ class Site(NamedTuple):
   axes: tuple[int, ...]
   paths: tuple[tuple[jcore.JaxprEqn, ...], ...]
   rolled: bool = False
+  in_remat: bool = False
 
 
 def _use_counts(jaxpr: jcore.Jaxpr) -> dict:
@@ -214,7 +217,8 @@ class Finder(_jaxpr.Interpreter):
       self.in_remat.update(leaves)
     if leaves:
       self.sites[id(eqn)] = Site(tuple(positions), tuple(leaves), tuple(axes), tuple(paths),
-                                 rolled=prm["unroll"] >= length > 1)
+                                 rolled=prm["unroll"] >= length > 1,
+                                 in_remat=self.remat_depth > 0)
       self.deferred.update(id(e) for path in paths for e in path)
     return [None] * len(eqn.outvars)
 

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import optfuse
+from optfuse import _fused_scan
 
 L, D, B = 5, 8, 4
 
@@ -100,11 +101,14 @@ def _train(tx, loss, mode, steps, args, params=None, jit=True):
   return jnp.stack(losses), p, s
 
 
-def _assert_matches_optax(tx, loss, args=None, steps=30, params=None, jit=True):
+def _assert_matches_optax(tx, loss, args=None, steps=30, params=None, jit=True, mode="backward"):
+  """Backward mode: the losses, params and state; forward mode (its state holds the pending
+  gradient): the losses, which follow optax's trajectory one update behind the params."""
   args = _batch() if args is None else args
   ref = _train(tx, loss, "off", steps, args, params, jit)
-  got = _train(tx, loss, "backward", steps, args, params, jit)
-  chex.assert_trees_all_close(got, ref, **TOL)
+  got = _train(tx, loss, mode, steps, args, params, jit)
+  chex.assert_trees_all_close(got if mode == "backward" else got[0],
+                              ref if mode == "backward" else ref[0], **TOL)
 
 
 LOSSES = {
@@ -126,6 +130,21 @@ def test_loop_fused_step_matches_optax_adamw_over_30_steps(name):
     params = _init(jax.random.PRNGKey(0), layers=8)
     params["layers"] = jax.tree.map(lambda x: x.reshape(4, 2, *x.shape[1:]), params["layers"])
   _assert_matches_optax(optax.adamw(1e-2, weight_decay=0.1), LOSSES[name], params=params)
+
+
+# The TPU compiler's variant of the forward loop (``_backends.CARRIED_STACKS``: the param stacks
+# carried through it, each row written back), run here on the CPU; forward fusion's loop, which
+# carries the pre-updated stacks too, and the loop inside a checkpoint, which does not carry.
+@pytest.mark.parametrize("name", ["scan", "scan_remat", "reverse_scan", "nested_scans"])
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_the_forward_loop_that_carries_its_param_stacks_matches_optax(name, mode, monkeypatch):
+  monkeypatch.setattr(_fused_scan, "CARRIED_STACKS", {"cpu": True})
+  params = None
+  if name == "nested_scans":
+    params = _init(jax.random.PRNGKey(0), layers=8)
+    params["layers"] = jax.tree.map(lambda x: x.reshape(4, 2, *x.shape[1:]), params["layers"])
+  _assert_matches_optax(optax.adamw(1e-2, weight_decay=0.1), LOSSES[name], params=params,
+                        mode=mode)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))

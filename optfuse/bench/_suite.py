@@ -353,8 +353,8 @@ def run_large(model: Model, target: Any = None) -> list[dict[str, Any]]:
         row["unavailable"] = _memory.first_sentence(rep.unavailable[mode])
       rows.append(row)
   if target is not None and model.name not in LARGE_DECODERS:
-    rows.append(_guarded_row(model, params, target, {**base, "target": report.target}, off,
-                             stacked))
+    rows.append(_guarded_row(model, params, target, {**base, "target": report.target,
+                                                     "floor_bytes": floor}, off, stacked))
   return rows
 
 
@@ -365,11 +365,13 @@ def _guarded_row(model: Model, params, target: Any, base: dict, off: int | None,
   fx = optfuse.fuse(optax.adamw(1e-3), guard=True)
   memory = _compiled.compile_memory(_memory.lower_step(
       fx, model.loss, params, _models.abstract(model.batch), target=_targets.resolve(target)))
-  row = {**base, "mode": "backward+guard"}
+  row = {**base, "mode": "backward+guard", "budget_bytes": None, "fits": None}
   if isinstance(memory, _compiled.DoesNotFit):
     return {**row, "unavailable": str(memory)}
   peak = memory["peak_bytes"]
+  floor = base["floor_bytes"]
   return {**row, **memory, "peak_ratio": peak / off if off else None,
+          "peak_vs_floor": peak / floor if floor else None,
           "saved_of_stacked": (off - peak) / stacked if stacked and off else None}
 
 
