@@ -100,9 +100,10 @@ def narrow_matmuls_saveable(width: int):
   """A ``jax.checkpoint`` policy: save the outputs of matmuls without batch dimensions (a layer's
   weight projections) that have at most ``width`` elements (the layer's hidden state).
 
-  Measured on penzai's Llama-like ``LayerStack`` (12 layers of d=512, tokens (2, 256), AdamW;
-  compile-only peaks of backward fusion against optax's 1361 / 1197 / 963 MB on XLA:CPU / TPU
-  v5e / H100): stacking every residual peaks at 1311 / 1200 / 1302 MB; saving every matmul
+  Measured on penzai's Llama-like ``LayerStack`` (12 layers of d=512, tokens (2, 256), AdamW,
+  before the TPU forward loop carried its stacks; compile-only peaks of backward fusion against
+  optax's 1361 / 1197 / 963 MB on XLA:CPU / TPU v5e / H100): stacking every residual peaks at
+  1311 / 1200 / 1302 MB; saving every matmul
   (``dots_saveable``) at 931 / 869 / 919 MB; every matmul without batch dimensions at 868 /
   825 / 846 MB; this policy at 767 / 724 / 754 MB (the q/k/v/out and down projections are
   saved; the norms, attention and the MLP's wider up projections are recomputed); saving
