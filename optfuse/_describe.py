@@ -52,7 +52,8 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
   Returns:
     A ``Placements``: a dict from leaf path (``jax.tree_util.keystr``) to where its update runs,
     whose ``reasons`` say, for every leaf a scan reads as its stacked input and that is not
-    updated inside the loop, why (read twice, inside a ``while_loop``, the loop too short, the
+    updated inside the loop, why (read twice, inside a ``while_loop``, the loop too short, given
+    up by the memory guard (``fuse(..., guard=True)``, with both peaks), the
     update mixes rows...). Backward mode:
     ``"loop"`` (row by row inside the backward loop of a scan, in place) or ``"tap"`` (in the
     backward pass once its whole gradient is complete). Forward mode: ``"loop"`` (row by row
