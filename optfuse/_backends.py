@@ -19,10 +19,8 @@ from typing import Any
 
 import jax
 
-# The platform a step is being traced for, when it is not this machine's backend. Set only by
-# ``lowering_for``; read at trace time by ``for_platform``.
-_LOWERING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "optfuse_lowering_for", default=None)
+# The target a step is being traced for, when it is not this machine's backend. Set only by
+# ``lowering_for``; read at trace time by ``for_platform`` and the memory guard.
 _TARGET: contextvars.ContextVar[Any] = contextvars.ContextVar("optfuse_target", default=None)
 
 # Whether a row loop whose optimizer-state slots live in host memory (``offload="state"``)
@@ -62,16 +60,15 @@ CARRIED_STACKS = {"tpu": True, "cuda": False, "rocm": False, "cpu": False}
 
 
 @contextlib.contextmanager
-def lowering_for(platform: str | None, target: Any = None) -> Iterator[None]:
-  """Steps traced inside are traced for ``platform`` ("tpu", "cuda"...; ``None``: this
-  machine's backend), and for the resolved ``target`` (``_targets.Target``) when given: what
-  a step compiles on its own (the memory guard) it compiles for that target."""
-  token, target_token = _LOWERING_FOR.set(platform), _TARGET.set(target)
+def lowering_for(target: Any) -> Iterator[None]:
+  """Steps traced inside are traced for the resolved ``target`` (``_targets.Target``; ``None``:
+  this machine's backend): its platform's choices, and what a step compiles on its own (the
+  memory guard) it compiles for that target."""
+  token = _TARGET.set(target)
   try:
     yield
   finally:
-    _LOWERING_FOR.reset(token)
-    _TARGET.reset(target_token)
+    _TARGET.reset(token)
 
 
 def target() -> Any:
@@ -82,7 +79,8 @@ def target() -> Any:
 
 def platform() -> str:
   """The platform steps are traced for now ("cpu", "tpu", "cuda"; JAX's "gpu" is "cuda")."""
-  name = _LOWERING_FOR.get() or jax.default_backend()
+  current = _TARGET.get()
+  name = current.platform if current is not None else jax.default_backend()
   return "cuda" if name == "gpu" else name
 
 

@@ -43,12 +43,15 @@ class BackwardEngine:
     return _fused_step.value_and_update(self.plans(params, state), loss_fn, has_aux, params,
                                         state, args, kwargs)
 
-  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+  def unchecked(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+    """The step without its input checks."""
     if microbatches == 1:
-      inner = lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
-                                                                args, kwargs)
-    else:
-      inner = _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
+      return lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
+                                                               args, kwargs)
+    return _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
+
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+    inner = self.unchecked(loss_fn, has_aux, microbatches)
     if self.guard:
       inner = self.guarded(inner, loss_fn)
     return _checks.checked_step(self.tx, inner)
@@ -61,17 +64,18 @@ class BackwardEngine:
     def step(params, state, *args, **kwargs):
       key = _guard.shapes_key(params, state, args, kwargs)
       if key not in decisions:
-        decisions[key] = self.decide(inner, loss_fn, params, state, args, kwargs)
+        loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
+        decisions[key] = self.decide(inner, loop_plan, params, state, args, kwargs)
       with self.plans.refusing(decisions[key]):
         return inner(params, state, *args, **kwargs)
 
     return step
 
-  def decide(self, inner: Step, loss_fn: Callable, params, state, args: tuple, kwargs: dict
-             ) -> dict[int, str]:
-    """The fused leaves the memory guard taps: ``_guard.decide`` on ``inner``'s peaks."""
-    sites = [site.leaves for site in self.analyze(loss_fn, params, state, args,
-                                                  kwargs).sites.values()]
+  def decide(self, inner: Step, loop_plan: _loops.LoopPlan, params, state, args: tuple,
+             kwargs: dict) -> dict[int, str]:
+    """The fused leaves of ``loop_plan`` the memory guard taps: ``_guard.decide`` on
+    ``inner``'s peaks."""
+    sites = [site.leaves for site in loop_plan.sites.values()]
 
     def peak_of(tapped: frozenset) -> int:
       with self.plans.refusing(dict.fromkeys(tapped, "tapped by the memory guard's probe")):
@@ -91,15 +95,15 @@ class BackwardEngine:
     return params, state
 
   def placements(self, loss_fn, params, state, args, kwargs):
-    refused: dict = {}
+    loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
     if self.guard:
-      has_aux = _checks.returns_pair(loss_fn, params, args, kwargs)
-      inner = lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
-                                                                args, kwargs)
-      refused = self.decide(inner, loss_fn, params, state, args, kwargs)
-    with self.plans.refusing(refused):
-      loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
+      inner = self.unchecked(loss_fn, _checks.returns_pair(loss_fn, params, args, kwargs), 1)
+      refused = self.decide(inner, loop_plan, params, state, args, kwargs)
+      if refused:
+        with self.plans.refusing(refused):
+          loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
     return dict.fromkeys(loop_plan.fused_leaves, "loop"), loop_plan.reasons
+
 
 class _GuardedPlans:
   """The plans of a ``PlanCache``, with the leaves the memory guard taps refused their loops

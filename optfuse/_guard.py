@@ -22,15 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from optfuse import _backends, _placement
+from optfuse._checks import abstract
 from optfuse._compiled import DoesNotFit, compile_memory, format_bytes
-
-
-def _spec(x):
-  return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-
-
-def _is_dynamic(x) -> bool:
-  return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__array__")
+from optfuse._loops import is_dynamic
 
 
 def _hashable(x) -> bool:
@@ -45,7 +39,7 @@ def shapes_key(params, state, args: tuple, kwargs: dict) -> Any:
   """What the decision depends on: the inputs' tree structures, shapes and dtypes, the static
   arguments, and the platform the step is traced for."""
   leaves, treedef = jax.tree.flatten((params, state, args, kwargs))
-  described = tuple((jnp.shape(x), str(jnp.result_type(x))) if _is_dynamic(x)
+  described = tuple((jnp.shape(x), str(jnp.result_type(x))) if is_dynamic(x)
                     else ("static", x if _hashable(x) else id(x)) for x in leaves)
   return treedef, described, _backends.platform(), id(_backends.target())
 
@@ -55,16 +49,15 @@ def peak(step: Callable, params, state, args: tuple, kwargs: dict, init: Callabl
   inputs (the bytes the compiler says it needed, for a program that does not fit), on the
   target steps are lowered for (``_backends.target``) or this machine's default device."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  dynamic = [_is_dynamic(x) for x in leaves]
+  dynamic = [is_dynamic(x) for x in leaves]
 
   def probe(params, state, dyn):
     it = iter(dyn)
     a, kw = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, dynamic)])
     return step(params, state, *a, **kw)
 
-  params = jax.tree.map(_spec, params)
-  dyn = [_spec(x) for x, d in zip(leaves, dynamic) if d]
-  state = jax.tree.map(_spec, state)
+  params, state = abstract(params), abstract(state)
+  dyn = abstract([x for x, d in zip(leaves, dynamic) if d])
   target = _backends.target()
   if target is not None:
     params = _placement.place_params(params, target)

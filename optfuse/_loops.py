@@ -90,13 +90,14 @@ class LoopPlan(NamedTuple):
     return jax.tree.unflatten(self.out_def, outs)
 
 
-def _is_dynamic(x) -> bool:
+def is_dynamic(x) -> bool:
+  """Whether an argument of the loss is an array (traced) rather than a static value."""
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _trace_loss(loss_fn, params_def, param_leaves, args, kwargs):
   arg_leaves, arg_def = jax.tree.flatten((args, kwargs))
-  dynamic = tuple(_is_dynamic(a) for a in arg_leaves)
+  dynamic = tuple(is_dynamic(a) for a in arg_leaves)
 
   def flat_loss(p_leaves, dyn):
     it = iter(dyn)

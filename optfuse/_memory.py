@@ -83,7 +83,7 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
   # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
   # (``_placement.place_offloaded``), which the lowering resolves against the concrete one; the
   # step takes the target's per-backend choices (``_backends``).
-  with jax.set_mesh(target.mesh), _backends.lowering_for(target.platform, target):
+  with jax.set_mesh(target.mesh), _backends.lowering_for(target):
     return step.lower(params, state, *args, **kwargs)
 
 

@@ -345,34 +345,36 @@ def run_large(model: Model, target: Any = None) -> list[dict[str, Any]]:
       if mode in rep.does_not_fit:
         row["unavailable"] = str(rep.does_not_fit[mode])
       elif mode in rep:
-        peak = rep[mode]["peak_bytes"]
-        row.update(rep[mode], peak_ratio=peak / off if off else None, floor_bytes=floor,
-                   peak_vs_floor=peak / floor if floor else None,
-                   saved_of_stacked=(off - peak) / stacked if stacked and off else None)
+        row.update(rep[mode], **_against(rep[mode]["peak_bytes"], off, floor, stacked))
       else:
         row["unavailable"] = _memory.first_sentence(rep.unavailable[mode])
       rows.append(row)
   if target is not None and model.name not in LARGE_DECODERS:
-    rows.append(_guarded_row(model, params, target, {**base, "target": report.target,
-                                                     "floor_bytes": floor}, off, stacked))
+    rows.append(_guarded_row(model, params, target, {**base, "target": report.target}, off,
+                             floor, stacked))
   return rows
 
 
+def _against(peak: int, off: int | None, floor: int | None, stacked: int | None
+             ) -> dict[str, Any]:
+  """A compiled peak against optax's, the floor and the stacked gradient."""
+  return {"peak_ratio": peak / off if off else None, "floor_bytes": floor,
+          "peak_vs_floor": peak / floor if floor else None,
+          "saved_of_stacked": (off - peak) / stacked if stacked and off else None}
+
+
 def _guarded_row(model: Model, params, target: Any, base: dict, off: int | None,
-                 stacked: int | None) -> dict[str, Any]:
+                 floor: int | None, stacked: int | None) -> dict[str, Any]:
   """The ``"backward+guard"`` row: backward fusion with ``guard=True`` on an accelerator's
   compiler (its loops kept only where they lower the peak there)."""
   fx = optfuse.fuse(optax.adamw(1e-3), guard=True)
   memory = _compiled.compile_memory(_memory.lower_step(
       fx, model.loss, params, _models.abstract(model.batch), target=_targets.resolve(target)))
-  row = {**base, "mode": "backward+guard", "budget_bytes": None, "fits": None}
+  row = {**base, "mode": "backward+guard", "budget_bytes": None, "fits": None,
+         "floor_bytes": floor}
   if isinstance(memory, _compiled.DoesNotFit):
     return {**row, "unavailable": str(memory)}
-  peak = memory["peak_bytes"]
-  floor = base["floor_bytes"]
-  return {**row, **memory, "peak_ratio": peak / off if off else None,
-          "peak_vs_floor": peak / floor if floor else None,
-          "saved_of_stacked": (off - peak) / stacked if stacked and off else None}
+  return {**row, **memory, **_against(memory["peak_bytes"], off, floor, stacked)}
 
 
 def run_suite(suite: Suite, progress: bool = True, targets: tuple[Any, ...] = (None,)
