@@ -58,6 +58,23 @@ FORWARD_STACKED_ROWS = {"tpu": True, "cuda": True, "rocm": True, "cpu": False}
 # (linen_axis1 1478 / 1404 MB, no_remat 4773 / 4712 MB).
 CARRIED_STACKS = {"tpu": True, "cuda": False, "rocm": False, "cpu": False}
 
+# Whether the row loops pin each param stack they write to the row-major layout the step's
+# arguments have (``jax.experimental.layout.with_layout_constraint``). The TPU compiler tiles
+# the two minor dimensions, so it lays out a loop-carried stack whose rows it slices with the
+# layer axis major (``{2,0,1}`` for ``f32[512,16,2048]``, the layer axis second): a transposed
+# copy of the whole stack before the loops and back after them, 64 MiB for one such weight of
+# the bench's forms (``XLA_FLAGS=--xla_dump_to=DIR``, ``*buffer-assignment.txt``). Pinned, the
+# rows are read and written in the stored layout. Measured, TPU v5e, peaks of the bench's forms
+# (16 layers of d=512, AdamW), unpinned -> pinned: backward linen_axis1 1290 -> 1271 MB,
+# moveaxis 1289 -> 1271 MB, bf16_policy 1350 -> 1301 MB (optax 1371 / 1363 / 1413 MB); forward
+# linen_axis1 1742 -> 1474 MB; outer_remat, no_remat and the 1.3B decoder (12 layers) unchanged;
+# the replicas (vocab 4096, T=256, B=2) linen_axis1 801 -> 642 MB, moveaxis 816 -> 642 MB
+# (optax 886 / 903 MB). A toy size whose temporaries all fit in the TPU's vector memory (8 layers
+# of d=256) gains nothing (89 -> 93 MB, optax 89 MB). H100: the same peaks either way. Pinning
+# the slot stacks too made the compiler copy a whole slot stack, in its layer-major layout, for
+# each row it reads (the same peak, a stack copy per iteration): only param stacks are pinned.
+STORED_LAYOUTS = {"tpu": True, "cuda": False, "rocm": False, "cpu": False}
+
 
 @contextlib.contextmanager
 def lowering_for(target: Any) -> Iterator[None]:

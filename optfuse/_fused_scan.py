@@ -41,6 +41,7 @@ from optfuse._row_buffers import (
   row_at,
   row_loop,
   value_after,
+  write_param_row,
   write_row,
   write_stack_rereading,
 )
@@ -149,7 +150,7 @@ class _ForwardLoop(NamedTuple):
     p_row, _ = row_fn(grad_row, param_row, read_slots(stack, index, None), operands, index)
     p_row = p_row.astype(stack.param.dtype)
     if whole:
-      stacks[j] = write_row(stack.param, p_row, index, axis)
+      stacks[j] = write_param_row(stack.param, p_row, index, axis)
       return p_row
     stack = write_stack_rereading(
         stack, p_row, lambda rows: row_fn(grad_row, param_row, rows, operands, index)[1], index)
@@ -178,7 +179,8 @@ class _ForwardLoop(NamedTuple):
           p_rows.append(self.pre_update(j, stacks, slot_stacks, index))
         elif carried:  # read from the carry, written back (``_backends.CARRIED_STACKS``)
           p_rows.append(row_at(stacks[j], index, axis))
-          stacks[j] = write_row(stacks[j], lax.optimization_barrier(p_rows[-1]), index, axis)
+          stacks[j] = write_param_row(stacks[j], lax.optimization_barrier(p_rows[-1]), index,
+                                      axis)
         else:
           p_rows.append(row_at(pstacks[j], index, axis))
       out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)

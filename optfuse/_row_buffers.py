@@ -32,8 +32,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.layout import Layout, with_layout_constraint
 
-from optfuse._backends import STREAMED_PREFETCH, for_platform
+from optfuse._backends import STORED_LAYOUTS, STREAMED_PREFETCH, for_platform
 from optfuse._offload import is_host, like, to_device
 
 
@@ -47,6 +48,16 @@ def write_row(buf, row, index, axis: int = 0):
   """``buf`` with its row ``index`` along ``axis`` replaced by ``row`` (cast to its dtype, and
   moved to host memory when ``buf`` lives there)."""
   return lax.dynamic_update_index_in_dim(buf, like(row.astype(buf.dtype), buf), index, axis)
+
+
+def write_param_row(buf, row, index, axis: int = 0):
+  """``write_row`` for a param stack: the new stack keeps the row-major layout the step's
+  arguments have, where the compiler would relayout a loop-carried stack whole
+  (``_backends.STORED_LAYOUTS``)."""
+  out = write_row(buf, row, index, axis)
+  if out.ndim < 2 or is_host(out) or not for_platform(STORED_LAYOUTS):
+    return out
+  return with_layout_constraint(out, Layout(tuple(range(out.ndim))))
 
 
 def after(index, x):
@@ -94,7 +105,7 @@ def write_stack(stack: Stack, param_row, slot_rows, index) -> Stack:
   (``None``: kept) after it."""
   param, at = stack.param, index
   if param_row is not None:
-    param = write_row(param, param_row, index, stack.axis)
+    param = write_param_row(param, param_row, index, stack.axis)
     at = after(index, param)
   slots = tuple(s if r is None else write_row(s, r, at, stack.axis)
                 for s, r in zip(stack.slots, slot_rows or [None] * len(stack.slots)))
@@ -125,7 +136,7 @@ def write_stack_rereading(stack: Stack, param_row, slot_fn: Callable, index) -> 
   forward loop of forward fusion: 0.99 MB of temporaries instead of 1.19 MB). ``slot_fn``
   recomputes the new slots, which the param update computed already.
   """
-  param = write_row(stack.param, param_row, index, stack.axis)
+  param = write_param_row(stack.param, param_row, index, stack.axis)
   at = after(index, param)
   new_rows = slot_fn([row_at(s, at, stack.axis) for s in stack.slots])
   slots = tuple(write_row(s, r, at, stack.axis) for s, r in zip(stack.slots, new_rows))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _fused_scan
+from optfuse import _fused_scan, _row_buffers
 
 L, D, B = 5, 8, 4
 
@@ -132,13 +132,15 @@ def test_loop_fused_step_matches_optax_adamw_over_30_steps(name):
   _assert_matches_optax(optax.adamw(1e-2, weight_decay=0.1), LOSSES[name], params=params)
 
 
-# The TPU compiler's variant of the forward loop (``_backends.CARRIED_STACKS``: the param stacks
-# carried through it, each row written back), run here on the CPU; forward fusion's loop, which
+# The TPU compiler's variant of the row loops (``_backends.CARRIED_STACKS``: the param stacks
+# carried through the forward loop, each row written back; ``STORED_LAYOUTS``: every param stack
+# written pinned to its row-major layout), run here on the CPU; forward fusion's loop, which
 # carries the pre-updated stacks too, and the loop inside a checkpoint, which does not carry.
 @pytest.mark.parametrize("name", ["scan", "scan_remat", "reverse_scan", "nested_scans"])
 @pytest.mark.parametrize("mode", ["backward", "forward"])
-def test_the_forward_loop_that_carries_its_param_stacks_matches_optax(name, mode, monkeypatch):
+def test_the_tpu_row_loops_match_optax(name, mode, monkeypatch):
   monkeypatch.setattr(_fused_scan, "CARRIED_STACKS", {"cpu": True})
+  monkeypatch.setattr(_row_buffers, "STORED_LAYOUTS", {"cpu": True})
   params = None
   if name == "nested_scans":
     params = _init(jax.random.PRNGKey(0), layers=8)

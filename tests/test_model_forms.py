@@ -23,6 +23,7 @@ import pytest
 from flax import nnx
 
 import optfuse
+from optfuse import _fused_scan, _row_buffers
 from optfuse.bench import _forms, _models
 from tests import models
 
@@ -202,6 +203,24 @@ def test_form_trains_like_optax_in_forward_mode_without_clipping(form):
   params, batch = _materialize(abstract, batch_spec)
   tx = _optimizer(dtype)
   fx = optfuse.fuse(tx, mode="forward")
+  got = models.run_steps(fx.value_and_update(loss), params, fx.init(params), [batch], 20)
+  got_params = fx.flush(got[1], got[2])[0]
+  ref = models.run_optax(tx, params, [batch], 20, loss_fn=loss)
+  chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **TOL)
+
+
+# The TPU compiler's row loops (``_backends.CARRIED_STACKS``: the param stacks carried through
+# the forward loop; ``STORED_LAYOUTS``: each param stack written pinned to its row-major layout),
+# run here on the CPU on the forms that store the layer axis second.
+@pytest.mark.parametrize("form", ["linen_axis1", "moveaxis", "nnx_axis1"])
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_form_trains_like_optax_with_the_tpu_row_loops(form, mode, monkeypatch):
+  monkeypatch.setattr(_fused_scan, "CARRIED_STACKS", {"cpu": True})
+  monkeypatch.setattr(_row_buffers, "STORED_LAYOUTS", {"cpu": True})
+  abstract, loss, batch_spec, dtype = FORMS[form](TINY)
+  params, batch = _materialize(abstract, batch_spec)
+  tx = _optimizer(dtype)
+  fx = optfuse.fuse(tx, mode=mode)
   got = models.run_steps(fx.value_and_update(loss), params, fx.init(params), [batch], 20)
   got_params = fx.flush(got[1], got[2])[0]
   ref = models.run_optax(tx, params, [batch], 20, loss_fn=loss)
