@@ -211,8 +211,9 @@ def test_form_trains_like_optax_in_forward_mode_without_clipping(form):
 
 # The TPU compiler's row loops (``_backends.CARRIED_STACKS``: the param stacks carried through
 # the forward loop; ``STORED_LAYOUTS``: each param stack written pinned to its row-major layout),
-# run here on the CPU on the forms that store the layer axis second.
-@pytest.mark.parametrize("form", ["linen_axis1", "moveaxis", "nnx_axis1"])
+# run here on the CPU on the forms that store the layer axis second (two of them with ``-m slow``).
+@pytest.mark.parametrize("form", ["linen_axis1", pytest.param("moveaxis", marks=pytest.mark.slow),
+                                  pytest.param("nnx_axis1", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["backward", "forward"])
 def test_form_trains_like_optax_with_the_tpu_row_loops(form, mode, monkeypatch):
   monkeypatch.setattr(_fused_scan, "CARRIED_STACKS", {"cpu": True})
