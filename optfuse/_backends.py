@@ -46,6 +46,23 @@ STREAMED_PREFETCH = {"tpu": True, "cuda": False, "rocm": False, "cpu": True}
 #   optax's step time whole, 0.82x row by row).
 FORWARD_STACKED_ROWS = {"tpu": True, "cuda": True, "rocm": True, "cpu": False}
 
+# Whether forward fusion chooses between the pending update and the unchanged params and state
+# with a select per leaf (``jnp.where(has_pending, new, old)``: the update always computed, its
+# result kept only when a gradient is pending) rather than one ``lax.cond``. The GPU compiler
+# copies every leaf a conditional updates whole (the embedding and its moments: three 62.5 MiB
+# copies for the bench's forms) and updates them in place under a select; XLA:CPU does the
+# opposite. Measured, forward peaks, cond -> select (optax in brackets):
+# - H100 compiler: the 1.3B decoder (24 layers) 22.99 -> 21.97 GB (21.97), forms of 16 layers of
+#   d=512 linen_axis1 1.87 -> 1.67 GB (1.61), no_remat 5.16 -> 4.96 GB (4.73); with
+#   clip_by_global_norm + AdamW the 1.3B decoder 21.97 GB either way;
+# - XLA:CPU: linen_axis1 1.68 -> 1.89 GB, no_remat 4.98 -> 5.19 GB;
+# - TPU v5e compiler: the same peaks either way (within 0.2 MB: linen_axis1 1474 MB, bf16_policy
+#   1572 MB, no_remat 4485 MB, the 1.3B decoder at 12 layers 13.31 GB, with clipping too).
+# With the state in host memory (``offload="state"``) the conditional stays on every platform:
+# there the select raised the H100 peaks of forward fusion (1.3B 7.45 -> 7.53 GB, 6.6B 31.05 ->
+# 31.91 GB).
+PENDING_SELECT = {"tpu": False, "cuda": True, "rocm": True, "cpu": False}
+
 # Whether a fused scan's forward loop carries the param stacks it reads (each row written back
 # behind an ``optimization_barrier``) instead of reading them as loop invariants. The TPU
 # compiler hoists a loop-invariant cast out of the loop: ``convert`` of the whole float32 stack

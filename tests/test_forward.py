@@ -418,10 +418,12 @@ def test_global_plan_splits_clipping_into_a_scalar_global_stage():
 @pytest.mark.parametrize("name", ["adamw", "clip_by_global_norm+adamw"])
 def test_forward_fusion_of_the_accelerators_placement_matches_optax(monkeypatch, name):
   # On TPU and GPU every stacked leaf is updated row by row (``_backends.FORWARD_STACKED_ROWS``:
-  # the GPU compiler copies params and state around the conditional of a whole update); this
-  # machine runs the CPU's entry, so here it runs theirs.
+  # the GPU compiler copies params and state around the conditional of a whole update), and on
+  # GPU the pending update is chosen by a select (``PENDING_SELECT``); this machine runs the
+  # CPU's entries, so here it runs theirs.
   from optfuse import _forward
   monkeypatch.setattr(_forward, "FORWARD_STACKED_ROWS", {"cpu": True, "tpu": True})
+  monkeypatch.setattr(_forward, "PENDING_SELECT", {"cpu": True})
   tx = SCANNED[name]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
   fx = optfuse.fuse(tx, mode="forward")
@@ -430,3 +432,17 @@ def test_forward_fusion_of_the_accelerators_placement_matches_optax(monkeypatch,
   got, opt_state = optfuse.to_optax_state(fx, got, state)
   want = models.run_optax(tx, params, batches, 30, loss_fn=models.scanned_loss)
   chex.assert_trees_all_close((losses, got, opt_state), want, rtol=1e-5, atol=1e-6)
+
+
+# The GPU's choice of the pending update (``_backends.PENDING_SELECT``: a select per leaf, the
+# update computed at every step and kept only when a gradient is pending), run here on the CPU:
+# the first step's unchanged params, the NaN steps of ``apply_if_finite`` and microbatches.
+@pytest.mark.parametrize("check", [
+    lambda: test_forward_fusion_matches_optax_over_50_steps("clip_by_global_norm+adamw"),
+    test_forward_apply_if_finite_skips_nan_steps_exactly_as_optax,
+    test_forward_fusion_with_microbatches_matches_optax_accumulation_over_50_steps,
+], ids=["clip_adamw", "apply_if_finite", "microbatches"])
+def test_the_pending_update_chosen_by_a_select_matches_optax(monkeypatch, check):
+  from optfuse import _forward
+  monkeypatch.setattr(_forward, "PENDING_SELECT", {"cpu": True})
+  check()
