@@ -70,6 +70,8 @@ def test_offload_state_trains_like_optax_with_the_state_in_host_memory():
   assert example.train_check(steps=3) < TOL
 
 
+# With ``-m slow``: ``tests/test_penzai.py`` trains the same model against optax by default.
+@pytest.mark.slow
 def test_penzai_layer_stack_trains_like_optax_with_and_without_the_guard():
   pytest.importorskip("penzai")
   example = _load("penzai_layer_stack")

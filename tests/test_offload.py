@@ -309,6 +309,9 @@ def test_bf16_moments_and_bf16_params_train_like_optax_with_offloaded_state(mu_d
                               rtol=2e-2, atol=2e-2)
 
 
+# With ``-m slow``: the default suite checks ``max_batch_size`` without offload and the
+# offloaded steps' peaks.
+@pytest.mark.slow
 def test_max_batch_size_with_offload_searches_the_offloaded_steps():
   params = models.abstract_stacked_params(8, 64)
   args_for = lambda b: (jax.ShapeDtypeStruct((b, 6), jnp.int32),) * 2
