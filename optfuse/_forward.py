@@ -106,11 +106,11 @@ def apply_pending(plan: Plan, params, state: ForwardState,
             [jnp.zeros(a.shape, a.dtype) for a in plan.cuts], [grads[i] for i in staged_leaves])
 
   operands = (plan.params_def.flatten_up_to(state.pending_grads), state_leaves, param_leaves)
-  if (isinstance(state.has_pending, jax.core.Tracer) and for_platform(PENDING_SELECT)
-      and not any(map(is_host, state_leaves))):
+  traced = isinstance(state.has_pending, jax.core.Tracer)
+  if traced and for_platform(PENDING_SELECT) and not any(map(is_host, state_leaves)):
     own_new_params, own_new_state, cuts, staged_grads = jax.tree.map(
         lambda new, old: jnp.where(state.has_pending, new, old), apply(operands), keep(operands))
-  elif isinstance(state.has_pending, jax.core.Tracer):
+  elif traced:
     own_new_params, own_new_state, cuts, staged_grads = jax.lax.cond(
         state.has_pending, apply, keep, operands)
   else:  # eagerly, an eager cond would compile its freshly traced branches at every step
