@@ -157,6 +157,18 @@ def _stacked_paths(where):
   return {path: place for path, place in where.items() if re.search(r"layers|\['[wb]'\]", path)}
 
 
+def _assert_trains_like_optax(form, mode):
+  """20 steps of the form in ``mode`` (its optimizer, no global transform) against optax's."""
+  abstract, loss, batch_spec, dtype = FORMS[form](TINY)
+  params, batch = _materialize(abstract, batch_spec)
+  tx = _optimizer(dtype)
+  fx = optfuse.fuse(tx, mode=mode)
+  got = models.run_steps(fx.value_and_update(loss), params, fx.init(params), [batch], 20)
+  got_params = fx.flush(got[1], got[2])[0]
+  ref = models.run_optax(tx, params, [batch], 20, loss_fn=loss)
+  chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **TOL)
+
+
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_every_stacked_leaf_of_the_form_is_updated_in_the_loop(form):
   params, loss, batch, _ = FORMS[form](TINY)
@@ -199,14 +211,7 @@ def test_form_trains_like_optax_over_20_steps(form, mode):
 def test_form_trains_like_optax_in_forward_mode_without_clipping(form):
   # Without a global stage the stacked leaves' moments are updated in one pass after the rows
   # (``Plan.slots_whole``), along whichever axis the form stacks them.
-  abstract, loss, batch_spec, dtype = FORMS[form](TINY)
-  params, batch = _materialize(abstract, batch_spec)
-  tx = _optimizer(dtype)
-  fx = optfuse.fuse(tx, mode="forward")
-  got = models.run_steps(fx.value_and_update(loss), params, fx.init(params), [batch], 20)
-  got_params = fx.flush(got[1], got[2])[0]
-  ref = models.run_optax(tx, params, [batch], 20, loss_fn=loss)
-  chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **TOL)
+  _assert_trains_like_optax(form, "forward")
 
 
 # The TPU compiler's row loops (``_backends.CARRIED_STACKS``: the param stacks carried through
@@ -218,14 +223,7 @@ def test_form_trains_like_optax_in_forward_mode_without_clipping(form):
 def test_form_trains_like_optax_with_the_tpu_row_loops(form, mode, monkeypatch):
   monkeypatch.setattr(_fused_scan, "CARRIED_STACKS", {"cpu": True})
   monkeypatch.setattr(_row_buffers, "STORED_LAYOUTS", {"cpu": True})
-  abstract, loss, batch_spec, dtype = FORMS[form](TINY)
-  params, batch = _materialize(abstract, batch_spec)
-  tx = _optimizer(dtype)
-  fx = optfuse.fuse(tx, mode=mode)
-  got = models.run_steps(fx.value_and_update(loss), params, fx.init(params), [batch], 20)
-  got_params = fx.flush(got[1], got[2])[0]
-  ref = models.run_optax(tx, params, [batch], 20, loss_fn=loss)
-  chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **TOL)
+  _assert_trains_like_optax(form, mode)
 
 
 def _compiled(fx, loss, params, batch):
