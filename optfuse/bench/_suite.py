@@ -6,17 +6,11 @@ interleaved, on the same batch from the same params. A mode that cannot run the 
 non-separable transform in backward mode, a mode this version does not implement — is recorded
 with its reason and not timed.
 
-The memory floor of a cell is an estimate: optax's compiled peak, minus the whole gradient, plus
-the gradient bytes that must be live at once even when every update is fused at the earliest
-point (``Model.live_grad_bytes``: one layer's slice of the stacked leaves plus the leaves outside
-the loop for scanned decoders, the largest leaf for unrolled models, the whole accumulator for
-gradient accumulation), and never less than the step's inputs plus outputs. It assumes optax
-holds the whole gradient at its peak: true when the backward pass is a scan (the stacked gradient
-is the scan's output), optimistic for unrolled models, where XLA already frees gradient buffers
-early and optax's peak can be below optax-minus-gradient plus the live part.
+The memory floor of a cell is the estimate of ``_large.floor_bytes`` (optax's compiled peak,
+minus the whole gradient, plus the gradient a fused step must still hold at once).
 
 The ``large`` section compiles big scanned decoders from ``jax.ShapeDtypeStruct``s only
-(``optfuse.memory_report``): nothing is allocated, so it runs anywhere.
+(``_large``): nothing is allocated, so it runs anywhere.
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ import optax
 from tqdm.auto import tqdm
 
 import optfuse
-from optfuse import _compiled, _fuse, _memory, _targets
-from optfuse.bench import _forms, _models, _timing
+from optfuse import _compiled, _fuse, _memory
+from optfuse.bench import _forms, _large, _models, _timing
 from optfuse.bench._models import DecoderConfig, Model
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -247,18 +241,6 @@ def _load_average() -> float | None:
   return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
-def floor_bytes(model: Model, params, off_memory: dict[str, int]) -> int:
-  """The estimated memory floor of a cell (see the module docstring)."""
-  grads = _models.grad_bytes(params)
-  persistent = (off_memory["argument_bytes"] + off_memory["output_bytes"]
-                - off_memory["alias_bytes"])
-  return max(persistent, off_memory["peak_bytes"] - grads + model.live_grad_bytes(params))
-
-
-def _reason(e: BaseException) -> str:
-  return f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
-
-
 def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
   """Compiles and times every mode of one cell; one row per mode.
 
@@ -288,10 +270,10 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
       compiled, row["compile_s"] = _timing.compile_step(fx, model.loss, params, batch,
                                                         **model.step_options)
     except _memory.UNAVAILABLE_ERRORS as e:
-      row["unavailable"] = _reason(e)
+      row["unavailable"] = _large.reason(e)
       continue
     except Exception as e:  # a library bug: recorded, the command then exits with an error
-      row["failed"] = _reason(e)
+      row["failed"] = _large.reason(e)
       continue
     row.update(_compiled.compiled_memory(compiled))
     trainers[mode] = _timing.Trainer(compiled, params, state, batch)
@@ -303,7 +285,7 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
         suite.compile_rounds)
     timing = _timing.interleaved(trainers, "off", suite.rounds, suite.warmup, suite.min_run_s)
     off = rows["off"]
-    floor = floor_bytes(model, model.params, off)
+    floor = _large.floor_bytes(model, model.params, off)
     for mode, trainer in trainers.items():
       row = rows[mode]
       row.update(step_ms=timing.step_s[mode] * 1e3, time_ratio=timing.ratio[mode],
@@ -316,67 +298,6 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
   return [rows[mode] for mode in modes]
 
 
-def run_large(model: Model, target: Any = None) -> list[dict[str, Any]]:
-  """Compile-only memory of a model with adamw in every mode, for ``target``'s compiler
-  (``None``: this machine); allocates nothing. The floor comes from the same compiler."""
-  params = _models.abstract(model.params)
-  stacked = _models.grad_bytes(params["layers"]) if "layers" in params else None
-  base = {"section": "memory", "model": model.name, "description": model.description,
-          "optimizer": "adamw", "grad_bytes": _models.grad_bytes(params),
-          "stacked_grad_bytes": stacked,
-          "target": getattr(target, "name", target) or jax.default_backend()}
-  # The large decoders on an accelerator's compiler also with the state in host memory (the
-  # modes' rows suffixed "+offload"); XLA:CPU counts host memory as device memory.
-  offloads = (None, "state") if target is not None and model.name in LARGE_DECODERS else (None,)
-  try:
-    reports = {o: _memory.memory_report(model.loss, optax.adamw(1e-3), params,
-                                        *_models.abstract(model.batch), target=target,
-                                        offload=o) for o in offloads}
-  except Exception as e:  # a library bug: recorded, the command then exits with an error
-    return [{**base, "mode": mode, "failed": _reason(e)} for mode in _memory.MODES]
-  report = reports[None]
-  off = report["off"]["peak_bytes"] if "off" in report else None
-  floor = floor_bytes(model, params, report["off"]) if off else None
-  rows = []
-  for offload, rep in reports.items():
-    for mode in _memory.MODES:
-      row = {**base, "mode": mode + ("+offload" if offload else ""), "target": rep.target,
-             "budget_bytes": rep.budget_bytes, "fits": mode in rep and rep.fits(mode)}
-      if mode in rep.does_not_fit:
-        row["unavailable"] = str(rep.does_not_fit[mode])
-      elif mode in rep:
-        row.update(rep[mode], **_against(rep[mode]["peak_bytes"], off, floor, stacked))
-      else:
-        row["unavailable"] = _memory.first_sentence(rep.unavailable[mode])
-      rows.append(row)
-  if target is not None and model.name not in LARGE_DECODERS:
-    rows.append(_guarded_row(model, params, target, {**base, "target": report.target}, off,
-                             floor, stacked))
-  return rows
-
-
-def _against(peak: int, off: int | None, floor: int | None, stacked: int | None
-             ) -> dict[str, Any]:
-  """A compiled peak against optax's, the floor and the stacked gradient."""
-  return {"peak_ratio": peak / off if off else None, "floor_bytes": floor,
-          "peak_vs_floor": peak / floor if floor else None,
-          "saved_of_stacked": (off - peak) / stacked if stacked and off else None}
-
-
-def _guarded_row(model: Model, params, target: Any, base: dict, off: int | None,
-                 floor: int | None, stacked: int | None) -> dict[str, Any]:
-  """The ``"backward+guard"`` row: backward fusion with ``guard=True`` on an accelerator's
-  compiler (its loops kept only where they lower the peak there)."""
-  fx = optfuse.fuse(optax.adamw(1e-3), guard=True)
-  memory = _compiled.compile_memory(_memory.lower_step(
-      fx, model.loss, params, _models.abstract(model.batch), target=_targets.resolve(target)))
-  row = {**base, "mode": "backward+guard", "budget_bytes": None, "fits": None,
-         "floor_bytes": floor}
-  if isinstance(memory, _compiled.DoesNotFit):
-    return {**row, "unavailable": str(memory)}
-  return {**row, **memory, **_against(memory["peak_bytes"], off, floor, stacked)}
-
-
 def run_suite(suite: Suite, progress: bool = True, targets: tuple[Any, ...] = (None,)
               ) -> list[dict[str, Any]]:
   """Measures every cell and large model of ``suite``; returns the rows with the environment.
@@ -386,8 +307,13 @@ def run_suite(suite: Suite, progress: bool = True, targets: tuple[Any, ...] = (N
   """
   env = {**environment(), "suite": suite.name, "load_average_start": _load_average()}
   jobs = [(f"{c.model.name}/{c.optimizer}", lambda c=c: run_cell(c, suite)) for c in suite.cells]
+  # The large decoders on an accelerator's compiler also with the state in host memory
+  # (XLA:CPU counts host memory as device memory), the other models with the memory guard.
   jobs += [(f"{m.name}/adamw on {t or 'this machine'} (compile only)",
-            lambda m=m, t=t: run_large(m, t)) for t in targets for m in suite.large]
+            lambda m=m, t=t: _large.run_large(
+                m, t, offload=t is not None and m.name in LARGE_DECODERS,
+                guarded=t is not None and m.name not in LARGE_DECODERS))
+           for t in targets for m in suite.large]
   rows = []
   with tqdm(jobs, desc=f"optfuse.bench {suite.name}", unit="cell", disable=not progress) as bar:
     for label, job in bar:
