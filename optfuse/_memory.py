@@ -39,6 +39,11 @@ def first_sentence(text: str) -> str:
   return text if end < 0 else text[:end + 1]
 
 
+def error_line(e: BaseException) -> str:
+  """An exception as one table cell: its type and the first sentence of its message."""
+  return f"{type(e).__name__}: {first_sentence(str(e))}"
+
+
 def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
   """Whether ``loss_fn`` returns a ``(loss, aux)`` pair, decided from its abstract output."""
   return _checks.returns_pair(loss_fn, params, args, kwargs)

@@ -210,3 +210,13 @@ def test_what_fits_reports_offload_beside_each_mode_on_accelerator_targets():
   assert "with the state in host memory 47 layers" in _what_fits.lines(rows)[0]
   table = _what_fits.markdown(rows)
   assert "backward + offload: layers" in table and "| 15 | 21 | 47 |" in table
+
+
+def test_a_fit_that_raises_is_recorded_as_failed_rows_not_raised(monkeypatch):
+  def broken(*args, **kwargs):
+    raise ValueError("a library bug. More detail here.")
+
+  monkeypatch.setattr(bench_fit.optfuse, "max_batch_size", broken)
+  rows = bench_fit.run_fit(["decoder_tiny"], "1GB", progress=False)
+  assert [r["mode"] for r in rows] == list(_memory.MODES)
+  assert {r["failed"] for r in rows} == {"ValueError: a library bug."}

@@ -78,7 +78,7 @@ def run_fit(names: Sequence[str], budget: int | str | None, progress: bool = Tru
                                    lambda b, model=model: batch_args(model, b), budget,
                                    target=target, progress=progress)
     except Exception as e:  # a library bug: recorded, the command then exits with an error
-      rows += [{**base, "mode": mode, "failed": _suite._reason(e)} for mode in _memory.MODES]
+      rows += [{**base, "mode": mode, "failed": _memory.error_line(e)} for mode in _memory.MODES]
       continue
     for mode in _memory.MODES:
       row = {**base, "mode": mode, "budget_bytes": fit.budget_bytes,

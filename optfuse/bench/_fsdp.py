@@ -240,10 +240,10 @@ def measure(model: Model, devices: int = DEVICES, progress: bool = False) -> lis
         row["stacked_placements"] = dict(collections.Counter(
             where for path, where in placements.items() if path.startswith("['layers']")))
     except _memory.UNAVAILABLE_ERRORS as e:
-      row["unavailable"] = f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
+      row["unavailable"] = _memory.error_line(e)
       continue
     except Exception as e:  # a library bug: recorded, the command then exits with an error
-      row["failed"] = f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
+      row["failed"] = _memory.error_line(e)
       continue
     row.update(_compiled.compiled_memory(compiled))
     hlo = compiled.as_text()

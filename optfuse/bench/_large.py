@@ -29,11 +29,6 @@ from optfuse.bench import _models
 from optfuse.bench._models import Model
 
 
-def reason(e: BaseException) -> str:
-  """An exception as one line: its type and first sentence."""
-  return f"{type(e).__name__}: {_memory.first_sentence(str(e))}"
-
-
 def floor_bytes(model: Model, params, off_memory: dict[str, int]) -> int:
   """The estimated memory floor of a model (see the module docstring)."""
   grads = _models.grad_bytes(params)
@@ -68,7 +63,7 @@ def run_large(model: Model, target: Any = None, offload: bool = False,
                                         *_models.abstract(model.batch), target=target,
                                         offload=o) for o in offloads}
   except Exception as e:  # a library bug: recorded, the command then exits with an error
-    return [{**base, "mode": mode, "failed": reason(e)} for mode in _memory.MODES]
+    return [{**base, "mode": mode, "failed": _memory.error_line(e)} for mode in _memory.MODES]
   report = reports[None]
   off = report["off"]["peak_bytes"] if "off" in report else None
   floor = floor_bytes(model, params, report["off"]) if off else None

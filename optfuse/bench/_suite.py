@@ -270,10 +270,10 @@ def run_cell(cell: Cell, suite: Suite) -> list[dict[str, Any]]:
       compiled, row["compile_s"] = _timing.compile_step(fx, model.loss, params, batch,
                                                         **model.step_options)
     except _memory.UNAVAILABLE_ERRORS as e:
-      row["unavailable"] = _large.reason(e)
+      row["unavailable"] = _memory.error_line(e)
       continue
     except Exception as e:  # a library bug: recorded, the command then exits with an error
-      row["failed"] = _large.reason(e)
+      row["failed"] = _memory.error_line(e)
       continue
     row.update(_compiled.compiled_memory(compiled))
     trainers[mode] = _timing.Trainer(compiled, params, state, batch)
