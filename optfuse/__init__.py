@@ -6,30 +6,30 @@ optax only. The Flax adapters ``optfuse.linen`` and ``optfuse.nnx`` are imported
 
 import importlib
 
-from optfuse._describe import describe as describe
-from optfuse._errors import BudgetError as BudgetError
-from optfuse._errors import GuardError as GuardError
-from optfuse._errors import LossOutputError as LossOutputError
-from optfuse._errors import MicrobatchError as MicrobatchError
-from optfuse._errors import NonSeparableError as NonSeparableError
-from optfuse._errors import OffloadError as OffloadError
-from optfuse._errors import OptfuseError as OptfuseError
-from optfuse._errors import ParamsStructureError as ParamsStructureError
-from optfuse._errors import StateMismatchError as StateMismatchError
-from optfuse._errors import TargetError as TargetError
-from optfuse._errors import UnknownModeError as UnknownModeError
-from optfuse._fit import FitReport as FitReport
-from optfuse._fit import max_batch_size as max_batch_size
-from optfuse._forward_state import ForwardState as ForwardState
-from optfuse._forward_state import from_optax_state as from_optax_state
-from optfuse._forward_state import to_optax_state as to_optax_state
+from optfuse._analysis._describe import describe as describe
+from optfuse._analysis._fit import FitReport as FitReport
+from optfuse._analysis._fit import max_batch_size as max_batch_size
+from optfuse._analysis._memory import DoesNotFit as DoesNotFit
+from optfuse._analysis._memory import MemoryReport as MemoryReport
+from optfuse._analysis._memory import memory_report as memory_report
+from optfuse._base._errors import BudgetError as BudgetError
+from optfuse._base._errors import GuardError as GuardError
+from optfuse._base._errors import LossOutputError as LossOutputError
+from optfuse._base._errors import MicrobatchError as MicrobatchError
+from optfuse._base._errors import NonSeparableError as NonSeparableError
+from optfuse._base._errors import OffloadError as OffloadError
+from optfuse._base._errors import OptfuseError as OptfuseError
+from optfuse._base._errors import ParamsStructureError as ParamsStructureError
+from optfuse._base._errors import StateMismatchError as StateMismatchError
+from optfuse._base._errors import TargetError as TargetError
+from optfuse._base._errors import UnknownModeError as UnknownModeError
+from optfuse._engines._forward_state import ForwardState as ForwardState
+from optfuse._engines._forward_state import from_optax_state as from_optax_state
+from optfuse._engines._forward_state import to_optax_state as to_optax_state
 from optfuse._fuse import FusedTransformation as FusedTransformation
 from optfuse._fuse import check_separable as check_separable
 from optfuse._fuse import fuse as fuse
-from optfuse._memory import DoesNotFit as DoesNotFit
-from optfuse._memory import MemoryReport as MemoryReport
-from optfuse._memory import memory_report as memory_report
-from optfuse._targets import targets as targets
+from optfuse._targets._registry import targets as targets
 from optfuse._train_step import train_step as train_step
 
 __version__ = "0.1.0"

@@ -8,14 +8,16 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optfuse import _checks, _jaxpr, _offload, _split
-from optfuse._backward import BackwardEngine
-from optfuse._engine import Engine
-from optfuse._errors import GuardError, UnknownModeError
-from optfuse._forward import ForwardEngine
-from optfuse._off import OffEngine
-from optfuse._offload_engine import OffloadEngine
-from optfuse._two_pass import TwoPassEngine
+from optfuse._base import _checks, _memory_spaces
+from optfuse._base._errors import GuardError, UnknownModeError
+from optfuse._engines._backward import BackwardEngine
+from optfuse._engines._engine import Engine
+from optfuse._engines._forward import ForwardEngine
+from optfuse._engines._offload import OffloadEngine
+from optfuse._engines._two_pass import TwoPassEngine
+from optfuse._engines._unfused import OffEngine
+from optfuse._jaxpr import _interpreter
+from optfuse._plan import _make
 
 MODES = ("backward", "forward", "off")
 GLOBAL_OPS = (None, "two_pass")
@@ -74,7 +76,7 @@ def make_engine(tx: optax.GradientTransformation, mode: str = "backward",
     raise UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
   if global_ops not in GLOBAL_OPS:
     raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
-  _offload.check_offload(offload, mode, global_ops)
+  _memory_spaces.check_offload(offload, mode, global_ops)
   if not isinstance(guard, bool):
     raise GuardError(f"guard must be True or False, not {guard!r}.")
   if guard and mode != "backward":
@@ -143,10 +145,10 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
     step = engine.step(loss_fn, has_aux, _checks.check_microbatches(microbatches))
-    return _jaxpr.with_shared_scalars(step)
+    return _interpreter.with_shared_scalars(step)
 
   return FusedTransformation(engine.init, value_and_update,
-                             _jaxpr.with_shared_scalars(engine.flush), mode, tx, global_ops,
+                             _interpreter.with_shared_scalars(engine.flush), mode, tx, global_ops,
                              offload, guard)
 
 
@@ -155,7 +157,7 @@ def check_separable(tx: optax.GradientTransformation, params) -> None:
 
   Args:
     tx: an optax transformation.
-    params: params or their ``jax.ShapeDtypeStruct``s.
+    params: params or their ``jax.ShapeDtypeStruct`` values.
 
   Returns:
     None.
@@ -165,4 +167,4 @@ def check_separable(tx: optax.GradientTransformation, params) -> None:
       gradients of other leaves.
   """
   abstract = _checks.abstract(params)
-  _split.make_plan(tx, abstract, jax.eval_shape(tx.init, abstract))
+  _make.make_plan(tx, abstract, jax.eval_shape(tx.init, abstract))

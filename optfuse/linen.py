@@ -23,7 +23,7 @@ from flax import struct
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from optfuse._errors import ParamsStructureError
+from optfuse._base._errors import ParamsStructureError
 from optfuse._fuse import FusedTransformation, fuse
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx.training import optimizer as nnx_optimizer
 
-from optfuse._checks import check_loss
+from optfuse._base._checks import check_loss
 from optfuse._fuse import fuse
 
 M = TypeVar("M", bound=nnx.Module)

@@ -6,7 +6,7 @@ fixtures, such as the executed notebook, run once). With the TPU compiler (libtp
 plugin installed for the compile-target tests, JAX would otherwise probe for a TPU or a GPU when
 it starts and log its failure; ``JAX_PLATFORMS=cpu`` (unless set already) keeps the default
 backend on the CPU, and the targets' compile-only devices still come from their plugins
-(``optfuse._targets``).
+(``optfuse._targets._registry``).
 """
 
 import os

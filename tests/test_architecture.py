@@ -1,60 +1,113 @@
-"""The package's structure, as the README's Design section states it.
+"""The package's structure, as the docs' design page states it.
 
-Each module belongs to one layer and imports optfuse modules of its own layer or the layers
-below only; no module is longer than 400 lines and no function than 80 (besides its docstring);
-no function imports an optfuse module (an import that would hide a cycle).
+``optfuse/`` is laid out by layer: each subpackage (and each top-level module) is one layer, and
+a module imports optfuse modules of its own layer or the layers below only. No import cycle; no
+function longer than 80 lines (besides its docstring); no function imports an optfuse module (an
+import that would hide a cycle). Modules are split by role, not by count: a module over the
+soft budget of code lines is read for a second role, not cut at a line number.
 """
 
 import ast
+import io
 import pathlib
+import tokenize
 
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "optfuse"
 
-# Top to bottom, as in the README's Design table.
+# Top to bottom. A layer is a subpackage of optfuse or one of its top-level modules.
 LAYERS = [
-    ["__init__", "_fuse", "_describe", "_memory", "_fit", "_train_step", "linen", "nnx"],
-    ["_engine", "_off", "_backward", "_guard", "_two_pass", "_forward", "_forward_state",
-     "_forward_placement", "_offload_engine"],
-    ["_fused_step", "_tap", "_loops", "_sites", "_fused_scan", "_scan_body", "_row_buffers",
-     "_accumulate", "_apply"],
-    ["_plan", "_split", "_global"],
-    ["_jaxpr", "_rows", "_row_rules", "_in_place"],
-    ["_checks", "_leaves", "_errors", "_targets", "_placement", "_offload", "_backends",
-     "_compiled"],
+    ["bench"],                                         # the benchmark: may use everything
+    ["__init__", "linen", "nnx", "_train_step"],       # the public face and the Flax adapters
+    ["_analysis"],                                     # describe, memory_report, max_batch_size
+    ["_fuse"],                                         # fuse(): a mode's engine behind one API
+    ["_engines"],                                      # one engine per mode, offload, the guard
+    ["_fusion"],                                       # taps, fused scans, row buffers, sums
+    ["_plan"],                                         # tx.update split per leaf
+    ["_jaxpr"],                                        # the interpreter, row evaluation
+    ["_targets"],                                      # compile targets, per-backend choices
+    ["_base"],                                         # errors, input checks, leaf predicates
 ]
-LAYER_OF = {module: depth for depth, modules in enumerate(LAYERS) for module in modules}
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py"))
+LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
+# Code lines (docstrings, comments and blank lines not counted) past which a module is read
+# again for a second role. A module that holds one role may stay above it, named here with why.
+CODE_LINE_BUDGET = 300
+ONE_ROLE_ABOVE_BUDGET = {
+    "_jaxpr._rows": "the row evaluator and its rule table keyed by primitive, as jet.py holds both",
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(PACKAGE).with_suffix("").parts
+  return ".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)
+
+
+MODULES = sorted(_module_name(p) for p in PACKAGE.rglob("*.py"))
+
+
+def _path(module: str) -> pathlib.Path:
+  path = PACKAGE.joinpath(*module.split("."))
+  return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _unit(module: str) -> str:
+  return module.split(".")[0]
 
 
 def _tree(module: str) -> ast.Module:
-  return ast.parse((PACKAGE / f"{module}.py").read_text())
+  return ast.parse(_path(module).read_text())
+
+
+def _resolve(dotted: str) -> str | None:
+  """The optfuse module a dotted import names (``optfuse.x.y`` -> ``x.y``), or its package."""
+  parts = dotted.split(".")[1:]
+  while parts and ".".join(parts) not in MODULES:
+    parts.pop()
+  return ".".join(parts) if parts else "__init__"
 
 
 def _optfuse_imports(node: ast.AST) -> set[str]:
   found = set()
   for n in ast.walk(node):
     if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "optfuse":
-      parts = n.module.split(".")
-      found |= {a.name for a in n.names} if len(parts) == 1 else {parts[1]}
+      for alias in n.names:
+        found.add(_resolve(f"{n.module}.{alias.name}"))
     elif isinstance(n, ast.Import):
-      found |= {a.name.split(".")[1] for a in n.names if a.name.startswith("optfuse.")}
-  return found - {"bench"}
+      found |= {_resolve(a.name) for a in n.names if a.name.split(".")[0] == "optfuse"}
+  return found
 
 
-def test_every_module_has_a_layer():
-  assert sorted(LAYER_OF) == MODULES
+def _code_lines(module: str) -> int:
+  """Lines with code on them: docstrings, comments and blank lines are not counted."""
+  source = _path(module).read_text()
+  docstrings = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      body = node.body
+      if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        docstrings |= set(range(body[0].lineno, body[0].end_lineno + 1))
+  lines = set()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                        tokenize.DEDENT, tokenize.ENDMARKER):
+      lines |= set(range(tok.start[0], tok.end[0] + 1))
+  return len(lines - docstrings)
+
+
+def test_every_module_belongs_to_a_layer():
+  assert {_unit(m) for m in MODULES} == set(LAYER_OF)
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_imports_point_down(module):
-  up = {m for m in _optfuse_imports(_tree(module)) if LAYER_OF[m] < LAYER_OF[module]}
+  here = LAYER_OF[_unit(module)]
+  up = {m for m in _optfuse_imports(_tree(module)) if LAYER_OF[_unit(m)] < here}
   assert not up, f"{module} imports {sorted(up)} from a layer above it"
 
 
 def test_no_import_cycle():
-  deps = {m: _optfuse_imports(_tree(m)) for m in MODULES}
+  deps = {m: _optfuse_imports(_tree(m)) - {m} for m in MODULES}
   done, active = set(), []
 
   def visit(m):
@@ -72,9 +125,7 @@ def test_no_import_cycle():
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_small_modules_and_functions(module):
-  text = (PACKAGE / f"{module}.py").read_text()
-  assert text.count("\n") <= 400, f"{module} has {text.count(chr(10))} lines"
+def test_short_functions_and_no_imports_inside_them(module):
   for fn in ast.walk(_tree(module)):
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
       continue
@@ -86,3 +137,11 @@ def test_small_modules_and_functions(module):
     assert lines <= 80, f"{module}.{fn.name} has {lines} lines besides its docstring"
     nested = {i for n in fn.body for i in _optfuse_imports(n)}
     assert not nested, f"{module}.{fn.name} imports {sorted(nested)} inside the function"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_modules_within_the_code_line_budget_or_of_one_named_role(module):
+  lines = _code_lines(module)
+  assert lines <= CODE_LINE_BUDGET or module in ONE_ROLE_ABOVE_BUDGET, (
+      f"{module} has {lines} lines of code: if it holds two roles, split it by role; if it holds "
+      f"one, name it in ONE_ROLE_ABOVE_BUDGET with that role")

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from optfuse import _memory
+from optfuse._analysis import _memory
 from optfuse.bench import __main__ as bench_main
-from optfuse.bench import _fit as bench_fit
-from optfuse.bench import _fsdp, _large, _models, _suite
+from optfuse.bench import _fit_table as bench_fit
+from optfuse.bench import _fsdp, _models, _suite
 
 REQUIRED = ("model", "optimizer", "mode", "time_ratio", "peak_bytes", "jax_version", "backend",
             "device_kind")
@@ -85,7 +85,7 @@ def test_floor_of_a_scanned_model_keeps_one_layer_of_gradient():
   layers = _models.grad_bytes(model.params["layers"])
   outside = _models.grad_bytes(model.params) - layers
   off = {"peak_bytes": 10_000, "argument_bytes": 100, "output_bytes": 100, "alias_bytes": 100}
-  floor = _large.floor_bytes(model, model.params, off)
+  floor = _suite.floor_bytes(model, model.params, off)
   assert floor == 10_000 - _models.grad_bytes(model.params) + outside + layers // 4
 
 

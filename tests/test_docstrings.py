@@ -9,8 +9,8 @@ import pytest
 import optfuse
 
 # The benchmark is not library API (and its plotting extra is not a test dependency).
-MODULES = sorted(m.name for m in pkgutil.iter_modules(optfuse.__path__, "optfuse.")
-                 if m.name != "optfuse.bench")
+MODULES = sorted(m.name for m in pkgutil.walk_packages(optfuse.__path__, "optfuse.")
+                 if not m.name.startswith("optfuse.bench"))
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _compiled, _fit, _memory
+from optfuse._analysis import _fit, _memory
+from optfuse._targets import _compiled
 
 # 16 stacked 256x256 layers under a rematerialised scan, on sequences of 64 vectors: each compile
 # takes about a third of a second on CPU, one example adds about 1.4 MB to the peak and backward
@@ -130,16 +131,16 @@ def test_a_bad_budget_raises_budget_error_before_compiling(budget):
 
 
 def test_without_a_budget_the_default_backend_s_memory_is_the_budget(monkeypatch):
-  from optfuse import _targets
-  monkeypatch.setattr(_targets, "host_memory_bytes", lambda: 1000)
+  from optfuse._targets import _registry
+  monkeypatch.setattr(_registry, "host_memory_bytes", lambda: 1000)
   fit = optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, modes=["off"], progress=False)
   assert fit.budget_bytes == 1000 and fit.budget_source == "this machine's physical memory"
   assert fit == {"off": 0} and "per device on cpu" in fit.table()
 
 
 def test_without_a_budget_an_unknown_memory_is_a_budget_error(monkeypatch):
-  from optfuse import _targets
-  monkeypatch.setattr(_targets, "host_memory_bytes", lambda: None)
+  from optfuse._targets import _registry
+  monkeypatch.setattr(_registry, "host_memory_bytes", lambda: None)
   with pytest.raises(optfuse.BudgetError, match="no memory budget given"):
     optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, modes=["off"])
 

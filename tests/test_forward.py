@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse._global import make_global_plan
+from optfuse._plan._global_stage import make_global_plan
 from tests import models
 
 STEPS = 50
@@ -421,7 +421,7 @@ def test_forward_fusion_of_the_accelerators_placement_matches_optax(monkeypatch,
   # the GPU compiler copies params and state around the conditional of a whole update), and on
   # GPU the pending update is chosen by a select (``PENDING_SELECT``); this machine runs the
   # CPU's entries, so here it runs theirs.
-  from optfuse import _forward
+  from optfuse._engines import _forward
   monkeypatch.setattr(_forward, "FORWARD_STACKED_ROWS", {"cpu": True, "tpu": True})
   monkeypatch.setattr(_forward, "PENDING_SELECT", {"cpu": True})
   tx = SCANNED[name]()
@@ -443,6 +443,6 @@ def test_forward_fusion_of_the_accelerators_placement_matches_optax(monkeypatch,
     test_forward_fusion_with_microbatches_matches_optax_accumulation_over_50_steps,
 ], ids=["clip_adamw", "apply_if_finite", "microbatches"])
 def test_the_pending_update_chosen_by_a_select_matches_optax(monkeypatch, check):
-  from optfuse import _forward
+  from optfuse._engines import _forward
   monkeypatch.setattr(_forward, "PENDING_SELECT", {"cpu": True})
   check()

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _guard
+from optfuse._engines import _guard
 from tests.models import run_optax, run_steps
 
 L, D, B = 6, 16, 4

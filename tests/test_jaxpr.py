@@ -1,5 +1,5 @@
-"""``_jaxpr.shared_scalars``: a training step traces the update's scalar prelude once, not once
-per leaf, and never reuses a value across traces."""
+"""``_interpreter.shared_scalars``: a training step traces the update's scalar prelude once,
+not once per leaf, and never reuses a value across traces."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _jaxpr
+from optfuse._jaxpr import _interpreter
 
 
 def _prelude():
@@ -28,10 +28,11 @@ def test_inside_the_block_a_scalar_equation_is_traced_once_per_trace():
   jaxpr = _prelude()
 
   def twice(c, x):
-    return [_jaxpr.evaluate(jaxpr, (), [c, x])[0], _jaxpr.evaluate(jaxpr, (), [c, 2 * x])[0]]
+    return [_interpreter.evaluate(jaxpr, (), [c, x])[0],
+            _interpreter.evaluate(jaxpr, (), [c, 2 * x])[0]]
 
   def in_block(c, x):
-    with _jaxpr.shared_scalars():
+    with _interpreter.shared_scalars():
       return twice(c, x)
 
   outside = jax.make_jaxpr(twice)(1.0, jnp.ones(3)).jaxpr
@@ -48,10 +49,10 @@ def test_a_value_is_never_reused_in_another_trace():
   jaxpr = _prelude()
 
   def f(c, x):
-    with _jaxpr.shared_scalars():
-      outer = _jaxpr.evaluate(jaxpr, (), [c, x])[0]
+    with _interpreter.shared_scalars():
+      outer = _interpreter.evaluate(jaxpr, (), [c, x])[0]
       inner = jax.lax.fori_loop(
-          0, 2, lambda i, acc: acc + _jaxpr.evaluate(jaxpr, (), [c, x])[0], jnp.zeros(3))
+          0, 2, lambda i, acc: acc + _interpreter.evaluate(jaxpr, (), [c, x])[0], jnp.zeros(3))
       return outer, inner
 
   outer, inner = jax.jit(f)(2.0, jnp.ones(3))
@@ -62,9 +63,9 @@ def test_a_value_is_never_reused_in_another_trace():
 
 def test_without_tracers_equations_run_as_they_are():
   jaxpr = _prelude()
-  with _jaxpr.shared_scalars():
-    a = _jaxpr.evaluate(jaxpr, (), [jnp.float32(2.0), jnp.ones(3)])[0]
-    b = _jaxpr.evaluate(jaxpr, (), [jnp.float32(3.0), jnp.ones(3)])[0]
+  with _interpreter.shared_scalars():
+    a = _interpreter.evaluate(jaxpr, (), [jnp.float32(2.0), jnp.ones(3)])[0]
+    b = _interpreter.evaluate(jaxpr, (), [jnp.float32(3.0), jnp.ones(3)])[0]
   np.testing.assert_allclose(a, (1.0 - 0.9 ** 3.0) * np.ones(3), rtol=1e-6)
   np.testing.assert_allclose(b, (1.0 - 0.9 ** 4.0) * np.ones(3), rtol=1e-6)
 

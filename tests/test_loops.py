@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _fused_scan, _row_buffers
+from optfuse._fusion import _fused_scan, _row_buffers
 
 L, D, B = 5, 8, 4
 

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 import optfuse
-from optfuse import _fused_scan, _row_buffers
+from optfuse._fusion import _fused_scan, _row_buffers
 from optfuse.bench import _forms, _models
 from tests import models
 

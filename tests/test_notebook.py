@@ -70,9 +70,9 @@ def test_the_notebook_reports_memory_and_the_largest_batch_per_mode(executed):
 
 
 def test_on_a_cpu_runtime_the_notebook_shows_the_fit_for_colabs_tpu_v5e(executed):
-  from optfuse import _targets
+  from optfuse._targets import _registry
   printed = _printed(executed.cells)
-  if _targets.compiler_installed("tpu"):
+  if _registry.compiler_installed("tpu"):
     # The TPU compiler's memory is the budget: 15.75 GiB.
     assert "16.91 GB (16911433728 bytes) of compiled peak memory per device on tpu-v5e" in printed
     assert re.search(r"backward: batch +\d+ = +\d+ positions per step on tpu-v5e", printed)

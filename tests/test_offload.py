@@ -14,7 +14,8 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _offload, _targets
+from optfuse._base import _memory_spaces
+from optfuse._targets import _registry
 from optfuse.bench import _forms, _models
 from tests import models
 
@@ -34,7 +35,7 @@ def _matrix(names: list[tuple], default: set[tuple]) -> list:
   return [pytest.param(*n, marks=() if n in default else pytest.mark.slow) for n in names]
 
 
-needs_tpu = pytest.mark.skipif(not _targets.compiler_installed("tpu"),
+needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
                                reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
 
 
@@ -183,9 +184,9 @@ def test_an_unknown_offload_is_an_offload_error():
 
 
 def test_scalar_and_integer_state_stays_on_the_device():
-  assert not _offload.offloaded(jnp.zeros((), jnp.float32))
-  assert not _offload.offloaded(jnp.zeros((3,), jnp.int32))
-  assert _offload.offloaded(jnp.zeros((3,), jnp.bfloat16))
+  assert not _memory_spaces.offloaded(jnp.zeros((), jnp.float32))
+  assert not _memory_spaces.offloaded(jnp.zeros((3,), jnp.int32))
+  assert _memory_spaces.offloaded(jnp.zeros((3,), jnp.bfloat16))
 
 
 def test_memory_report_with_offload_compiles_every_mode_with_host_bytes():
@@ -233,8 +234,8 @@ def test_offload_takes_the_state_off_the_tpu_and_counts_it_in_host_memory():
 @pytest.mark.targets
 def test_offload_takes_the_state_off_the_gpu_on_the_deviceless_h100_compiler():
   # The deviceless GPU's devices list no host memory: the state is placed on the target's
-  # abstract mesh, where its memory kind survives (``_placement.place_offloaded``).
-  if not _targets.compiler_installed("cuda"):
+  # abstract mesh, where its memory kind survives (``_inputs.offloaded_on``).
+  if not _registry.compiler_installed("cuda"):
     pytest.skip('the GPU compiler is not installed: pip install -e ".[cuda]"')
   params = models.abstract_stacked_params(8, 256)
   args = (jax.ShapeDtypeStruct((4, 6), jnp.int32),) * 2
@@ -342,7 +343,7 @@ def test_the_gpu_loop_reading_slot_rows_after_the_gradient_trains_like_optax(mon
   # The compilers choose the streamed loop per platform (``_backends.STREAMED_PREFETCH``): the
   # TPU's prefetches the slot rows, the GPU's reads them once the gradient row exists. This
   # machine runs the CPU's; here it runs the GPU's.
-  from optfuse import _row_buffers
+  from optfuse._fusion import _row_buffers
   monkeypatch.setattr(_row_buffers, "STREAMED_PREFETCH", {"cpu": False, "tpu": True})
   params, batches, loss = _scanned()
   tx = optax.adamw(1e-2, weight_decay=0.05)

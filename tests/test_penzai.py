@@ -15,7 +15,9 @@ import optax
 import pytest
 
 import optfuse
-from optfuse import _fuse, _memory, _targets
+from optfuse import _fuse
+from optfuse._analysis import _memory
+from optfuse._targets import _registry
 
 pytest.importorskip("penzai")
 
@@ -60,7 +62,7 @@ def _peaks(target=None):
   loss_fn, params = _penzai_model.build(_penzai_model.ISSUE)
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   tokens = jax.ShapeDtypeStruct((2, 256), jnp.int32)
-  resolved = _targets.resolve(target)
+  resolved = _registry.resolve(target)
   peaks = {mode: _memory.compile_memory(_memory.lower_step(
       _fuse.fuse(TX, mode=mode), loss_fn, params, (tokens,), target=resolved))["peak_bytes"]
            for mode in ("off", "backward")}
@@ -77,8 +79,8 @@ def test_backward_fusion_saves_80_percent_of_the_gradient_of_the_penzai_issue_mo
 @pytest.mark.parametrize("target", ["tpu-v5e", "h100"])
 def test_backward_fusion_saves_80_percent_of_penzai_s_gradient_on_the_accelerator_compilers(
     target):
-  platform = _targets.SPECS[target].platform
-  if not _targets.compiler_installed(platform):
+  platform = _registry.SPECS[target].platform
+  if not _registry.compiler_installed(platform):
     pytest.skip(f'the {platform} compiler is not installed: pip install -e ".[{platform}]"')
   peaks, gradient = _peaks(target)
   assert peaks["backward"] <= peaks["off"] - 0.8 * gradient

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from optfuse._global import make_global_plan
+from optfuse._plan._global_stage import make_global_plan
 from tests import models
 
 

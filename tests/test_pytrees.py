@@ -199,7 +199,7 @@ def _int_loss(params, x, y):
   return jnp.mean((out - y) ** 2)
 
 
-def _split(params):
+def _separable(params):
   floats = {k: v for k, v in params.items() if jnp.issubdtype(v.dtype, jnp.floating)}
   return floats, {k: v for k, v in params.items() if k not in floats}
 
@@ -208,7 +208,7 @@ def test_integer_and_bool_params_are_carried_unchanged():
   params = _int_params()
   x = jax.random.normal(jax.random.PRNGKey(7), (5, 8, 4))
   y = jax.random.normal(jax.random.PRNGKey(8), (5, 4, 3))
-  floats, ints = _split(params)
+  floats, ints = _separable(params)
   batches = [(x[t], y[t]) for t in range(5)]
   ref_loss = lambda f, x, y: _int_loss({**f, **ints}, x, y)
   want_losses, want_floats, want_state = models.run_optax(
@@ -218,15 +218,15 @@ def test_integer_and_bool_params_are_carried_unchanged():
     losses, got, state = models.run_fused(optax.adam(1e-2), mode, params, batches, STEPS,
                                           loss_fn=_int_loss)
     chex.assert_trees_all_close(losses, want_losses, rtol=RTOL, atol=ATOL)
-    chex.assert_trees_all_close(_split(got)[0], want_floats, rtol=RTOL, atol=ATOL)
-    chex.assert_trees_all_equal(_split(got)[1], ints)  # same values and dtypes
+    chex.assert_trees_all_close(_separable(got)[0], want_floats, rtol=RTOL, atol=ATOL)
+    chex.assert_trees_all_equal(_separable(got)[1], ints)  # same values and dtypes
     adam, init_adam, want_adam = state[0], init_state[0], want_state[0]
     assert int(adam.count) == STEPS
     for moment, init_moment, want_moment in ((adam.mu, init_adam.mu, want_adam.mu),
                                              (adam.nu, init_adam.nu, want_adam.nu)):
-      float_slots, int_slots = _split(moment)
+      float_slots, int_slots = _separable(moment)
       chex.assert_trees_all_close(float_slots, want_moment, rtol=RTOL, atol=ATOL)
-      chex.assert_trees_all_equal(int_slots, _split(init_moment)[1])  # as tx.init left them
+      chex.assert_trees_all_equal(int_slots, _separable(init_moment)[1])  # as tx.init left them
 
 
 @pytest.mark.parametrize("mode", ["backward", "off"])
@@ -265,4 +265,4 @@ def test_integer_and_bool_params_with_microbatches_train_like_off_and_keep_their
     chex.assert_trees_all_equal_dtypes((p, s), (params, fx.init(params)))
     runs[name] = optfuse.to_optax_state(fx, p, s) if name == "forward" else (p, s)
   chex.assert_trees_all_close(runs[mode], runs["off"], rtol=RTOL, atol=ATOL)
-  chex.assert_trees_all_equal(_split(runs[mode][0])[1], _split(params)[1])
+  chex.assert_trees_all_equal(_separable(runs[mode][0])[1], _separable(params)[1])

@@ -1,6 +1,6 @@
 """Every row rule on its own: a row evaluated alone equals the same row of the full evaluation.
 
-For each primitive of ``_row_rules.ROW_RULES`` a small function binds it on values stacked along
+For each primitive of ``_rows.ROW_RULES`` a small function binds it on values stacked along
 axis 0 or axis 1 (``L`` rows); ``_rows.evaluate_rows`` evaluates that function's jaxpr on each
 row, and the result must equal the row of the whole evaluation, exactly (a row rule reorders no
 arithmetic). Cases that would mix rows must raise ``NotRowwise``.
@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optfuse import _jaxpr, _row_rules, _rows
+from optfuse._jaxpr import _interpreter, _rows
 
 L = 4
 _MESH = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
@@ -153,14 +153,14 @@ def test_every_row_rule_has_a_case():
   def collect(jaxpr):
     for eqn in jaxpr.eqns:
       bound.add(eqn.primitive)
-      body = _jaxpr.call_body(eqn)
+      body = _interpreter.call_body(eqn)
       if body is not None:
         collect(body.jaxpr)
 
   for fn, specs in CASES.values():
     xs = _inputs(specs, 0)
     collect(jax.make_jaxpr(fn)(*xs).jaxpr)
-  missing = {p.name for p in _row_rules.ROW_RULES} - {p.name for p in bound}
+  missing = {p.name for p in _rows.ROW_RULES} - {p.name for p in bound}
   assert not missing, missing
 
 

@@ -14,11 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optfuse
-from optfuse import _compiled, _fit, _memory, _targets
+from optfuse._analysis import _fit, _memory
+from optfuse._targets import _compiled, _registry
 
-needs_tpu = pytest.mark.skipif(not _targets.compiler_installed("tpu"),
+needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
                                reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
-needs_cuda = pytest.mark.skipif(not _targets.compiler_installed("cuda"),
+needs_cuda = pytest.mark.skipif(not _registry.compiler_installed("cuda"),
                                 reason='the GPU compiler is not installed: '
                                 'pip install -e ".[cuda]"')
 
@@ -60,22 +61,22 @@ def test_an_unknown_target_is_a_target_error_that_lists_the_known_ones():
 
 def test_an_unreadable_topology_is_a_target_error():
   with pytest.raises(optfuse.TargetError, match="cannot read the topology"):
-    _targets.resolve("tpu-v5e:two-by-two")
+    _registry.resolve("tpu-v5e:two-by-two")
 
 
 @pytest.mark.parametrize("name, extra", [("tpu-v5e", "tpu"), ("h100", "cuda")])
 def test_a_target_whose_compiler_is_missing_names_the_extra_to_install(monkeypatch, name, extra):
-  _targets._named.cache_clear()
-  monkeypatch.setattr(_targets, "compiler_installed", lambda platform: False)
+  _registry._named.cache_clear()
+  monkeypatch.setattr(_registry, "compiler_installed", lambda platform: False)
   with pytest.raises(optfuse.TargetError, match=rf'pip install -e "\.\[{extra}\]"'):
     optfuse.max_batch_size(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch,
                            target=name)
-  _targets._named.cache_clear()
+  _registry._named.cache_clear()
 
 
 def test_something_that_is_no_target_is_a_target_error():
   with pytest.raises(optfuse.TargetError, match="a target is None, a name"):
-    _targets.resolve(42)
+    _registry.resolve(42)
 
 
 @pytest.mark.parametrize("message, needed, available", [
@@ -100,10 +101,10 @@ def test_other_compile_errors_are_not_read_as_out_of_memory():
 
 def test_a_gpu_budget_is_the_share_jax_preallocates(monkeypatch):
   size = int(__import__("re").search(r"device_memory_size:\s*(\d+)",
-                                     _targets.gpu_config("h100.txtpb")).group(1))
-  assert _targets._gpu_memory("h100.txtpb")[0] == int(0.75 * size)
+                                     _registry.gpu_config("h100.txtpb")).group(1))
+  assert _registry._gpu_memory("h100.txtpb")[0] == int(0.75 * size)
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-  assert _targets._gpu_memory("h100.txtpb")[0] == int(0.9 * size)
+  assert _registry._gpu_memory("h100.txtpb")[0] == int(0.9 * size)
 
 
 @settings(max_examples=300, deadline=None)
@@ -149,7 +150,7 @@ def test_a_slope_hint_aims_past_refusals_that_carry_no_peak():
 @pytest.mark.targets
 @pytest.mark.parametrize("name", ["tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4"])
 def test_each_tpu_budget_is_the_hbm_limit_its_compiler_states(name):
-  target = _targets.resolve(name)
+  target = _registry.resolve(name)
   big = jax.ShapeDtypeStruct((120_000, 120_000), jnp.float32,
                              sharding=jax.sharding.SingleDeviceSharding(target.devices[0]))
   refusal = _memory.compile_memory(jax.jit(lambda x: x @ x + 1).lower(big))
@@ -223,7 +224,7 @@ def test_a_topology_of_four_chips_reports_per_device_and_splits_the_batch():
                               target="tpu-v5e")
   four = optfuse.memory_report(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch(16),
                                target="tpu-v5e:2x2")
-  assert len(_targets.resolve("tpu-v5e:2x2").devices) == 4
+  assert len(_registry.resolve("tpu-v5e:2x2").devices) == 4
   # Each device holds the whole (replicated) params and a quarter of the batch of 16.
   assert four["off"]["argument_bytes"] == one["off"]["argument_bytes"]
 

@@ -8,9 +8,11 @@ backend. ``--fit BUDGET`` (e.g. ``--fit 24GB``) prints the largest batch per mod
 step fits the budget, for the big scanned decoders (compile-only, seconds per compile on CPU).
 
 Modules: ``_models`` (the models in plain JAX), ``_timing`` (compiling and interleaved timing),
-``_suite`` (the suites and the measuring loop), ``_large`` (the compile-only memory section and
-the memory floor), ``_fit`` (the ``--fit`` search), ``_report`` (tables, files, plot),
-``__main__`` (the command line).
+``_forms`` (scanned decoders as codebases write them), ``_suite`` (the suites, the measuring loop,
+the compile-only memory section and the memory floor), ``_fit_table`` (the ``--fit`` search),
+``_what_fits`` (the largest decoder per target), ``_fsdp`` (per-device memory under FSDP),
+``_cache`` (compile-only peaks on disk), ``_report`` (tables, files, plot), ``__main__`` (the
+command line).
 """
 
 from optfuse.bench._suite import SUITES as SUITES

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from optfuse import _targets
-from optfuse._errors import BudgetError, TargetError
-from optfuse._fit import parse_budget
-from optfuse.bench import _fit, _fsdp, _report, _suite, _what_fits
+from optfuse._analysis._fit import parse_budget
+from optfuse._base._errors import BudgetError, TargetError
+from optfuse._targets import _registry
+from optfuse.bench import _fit_table, _fsdp, _report, _suite, _what_fits
 
 
 def _budget(text: str) -> int | str:
@@ -25,11 +25,11 @@ def _budget(text: str) -> int | str:
 
 def _fit_models(text: str) -> tuple[str, ...]:
   names = tuple(n.strip() for n in text.split(",") if n.strip())
-  unknown = [n for n in names if n not in _fit.fit_models()]
+  unknown = [n for n in names if n not in _fit_table.fit_models()]
   if unknown or not names:
     raise argparse.ArgumentTypeError(
         f"unknown model(s) {', '.join(unknown) or text!r}; choose from "
-        f"{', '.join(_fit.fit_models())}")
+        f"{', '.join(_fit_table.fit_models())}")
   return names
 
 
@@ -45,7 +45,7 @@ def _target_names(text: str) -> tuple[str, ...]:
   return names
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="python -m optfuse.bench",
       description="Step time, compile time and compiled peak memory of optfuse's fused training "
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "batch at 24 layers) that fits with optax and with backward fusion")
   parser.add_argument("--target", metavar="NAMES", type=_target_names,
                       help="comma-separated compile targets for the compile-only parts: cpu "
-                      f"(this machine), {', '.join(_targets.SPECS)}, optionally with a topology "
+                      f"(this machine), {', '.join(_registry.SPECS)}, optionally with a topology "
                       "(tpu-v5e:2x2). Default: cpu, and tpu-v5e where libtpu is installed "
                       "(--quick, --what-fits); cpu otherwise")
   parser.add_argument("--no-cache", action="store_true",
@@ -85,25 +85,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "the default), 1.3b (24x2048 T2048 B8)")
   parser.add_argument("--fit-models", metavar="NAMES", type=_fit_models,
                       help="comma-separated models for --fit (default "
-                      f"{','.join(_fit.DEFAULT_MODELS)}): {', '.join(_fit.fit_models())}")
+                      f"{','.join(_fit_table.DEFAULT_MODELS)}): "
+                      f"{', '.join(_fit_table.fit_models())}")
   parser.add_argument("--out", metavar="DIR",
                       help="write results.json, results.md and results.png into DIR (with "
                       "--fsdp: fsdp.json and fsdp.md; with --fit: fit.json and fit.md)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-  args = parser.parse_args(argv)
-  if args.fit_models and args.fit is None:
-    parser.error("--fit-models needs --fit BUDGET")
-  if args.fit == "target" and not args.target:
-    parser.error("--fit without a BUDGET needs --target: the budget is each target's memory")
+  return parser
+
+
+def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]:
+  """The rows of the section ``args`` ask for, with their writer, their table and a footer."""
   start, progress = time.perf_counter(), not args.no_progress
   if args.suite == "fsdp":
     rows = _fsdp.run(args.fsdp_size, progress=progress)
     write, markdown, footer = _fsdp.write, _fsdp.markdown, ""
   elif args.fit is not None:
-    names = args.fit_models or _fit.DEFAULT_MODELS
+    names = args.fit_models or _fit_table.DEFAULT_MODELS
     budget = None if args.fit == "target" else args.fit
     rows = [row for target in args.target or ("cpu",)
-            for row in _fit.run_fit(names, budget, progress=progress,
+            for row in _fit_table.run_fit(names, budget, progress=progress,
                                     target=_what_fits.resolve(target))]
     write, markdown = _report.write_fit, _report.fit_markdown
     footer = f"(--fit {', '.join(names)}: {time.perf_counter() - start:.0f} s)"
@@ -126,6 +127,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows += [{**row, **{k: rows[0][k] for k in _suite.ENV_KEYS}} for row in fits]
     write, markdown = _report.write, _report.markdown
     footer = f"({suite.name} suite: {time.perf_counter() - start:.0f} s)"
+  return rows, write, markdown, footer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.fit_models and args.fit is None:
+    parser.error("--fit-models needs --fit BUDGET")
+  if args.fit == "target" and not args.target:
+    parser.error("--fit without a BUDGET needs --target: the budget is each target's memory")
+  rows, write, markdown, footer = _run(args)
   if args.out:
     paths = write(rows, args.out)
     print(f"wrote {', '.join(paths.values())}", file=sys.stderr)

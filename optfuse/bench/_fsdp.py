@@ -40,7 +40,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optfuse
-from optfuse import _compiled, _memory
+from optfuse._analysis import _memory
+from optfuse._targets import _compiled
 from optfuse.bench import _models, _report, _suite
 from optfuse.bench._models import DecoderConfig, Model
 
@@ -194,7 +195,7 @@ def measure(model: Model, devices: int = DEVICES, progress: bool = False) -> lis
     progress: print each mode to stderr as it compiles.
 
   Returns:
-    One row per mode: the per-device memory fields of ``optfuse._memory.FIELDS``,
+    One row per mode: the per-device memory fields of ``optfuse._analysis._memory.FIELDS``,
     ``peak_ratio`` (to "off"), ``grad_share_bytes`` and ``live_grad_share_bytes`` (the
     gradient's bytes per device, and the part of them a fused step must hold at once),
     ``saved_of_share`` (the peak saved against "off", over the gradient share),

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optfuse import _fuse, _memory
+from optfuse import _fuse
+from optfuse._analysis import _memory
 
 
 def compile_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, batch: tuple,

@@ -6,7 +6,7 @@ params; the 1.3B decoder's layer), two searches per target and mode, compile-onl
 - depth: the most layers whose step fits the target's memory at batch 1, T=2048;
 - batch: the largest batch whose step fits at 24 layers (the 1.3B decoder), T=2048.
 
-Both use ``optfuse._fit.largest_affine``: a scanned model's peak is close to affine in its depth
+Both use ``_fit.largest_affine``: a scanned model's peak is close to affine in its depth
 and its batch, so a search takes about four compiles, two when a previous target's fit guesses
 right; the answer is exact (it fits, one more does not). Peaks come from the disk cache of
 ``_cache`` where the same code and compilers measured them before.
@@ -21,7 +21,9 @@ from typing import Any
 import optax
 from tqdm.auto import tqdm
 
-from optfuse import _fit, _fuse, _memory, _targets
+from optfuse import _fuse
+from optfuse._analysis import _fit, _memory
+from optfuse._targets import _registry
 from optfuse.bench import _cache, _models, _suite
 from optfuse.bench._models import DecoderConfig
 
@@ -45,12 +47,12 @@ def modes_of(name: str, offload: bool = True) -> tuple[str, ...]:
 
 def default_targets() -> tuple[str, ...]:
   """This machine, and TPU v5e (Colab's TPU) where the TPU compiler is installed."""
-  return ("cpu", "tpu-v5e") if _targets.compiler_installed("tpu") else ("cpu",)
+  return ("cpu", "tpu-v5e") if _registry.compiler_installed("tpu") else ("cpu",)
 
 
-def resolve(name: str) -> _targets.Target | None:
+def resolve(name: str) -> _registry.Target | None:
   """A target of the command line: "cpu" is this machine's default backend."""
-  return None if name in ("cpu", "host", "default") else _targets.resolve(name)
+  return None if name in ("cpu", "host", "default") else _registry.resolve(name)
 
 
 class Peaks:

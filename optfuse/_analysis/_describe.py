@@ -1,0 +1,113 @@
+"""Where each parameter leaf's update runs, and why a stacked leaf is not fused in its loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from optfuse import _fuse
+from optfuse._base import _leaves, _memory_spaces
+from optfuse._base._errors import NonSeparableError
+from optfuse._plan import _make
+
+
+class Placements(dict):
+  """Leaf path -> where its update runs (a ``dict``), with the reasons of stacked leaves.
+
+  Attributes:
+    reasons: leaf path -> why a leaf that a scan reads as its stacked input is not updated
+      inside the loop, for every such leaf that is not.
+    state: leaf path -> where the leaf's optimizer-state slots live between steps, "host" or
+      "device", for every float leaf that has slots.
+  """
+
+  def __init__(self, where: Mapping[str, str], reasons: Mapping[str, str],
+               state: Mapping[str, str] | None = None):
+    super().__init__(where)
+    self.reasons = dict(reasons)
+    self.state = dict(state or {})
+
+  def table(self) -> str:
+    """One line per leaf: its path, where it runs, where its state lives (when any lives in
+    host memory) and, if a stacked leaf is not fused, why."""
+    width = max(map(len, self), default=0)
+    host = "host" in self.state.values()
+    state = lambda path: f"  state on {self.state.get(path, 'device')}" if host else ""
+    return "\n".join(f"{path.ljust(width)}  {where}{state(path)}"
+                     + (f"  ({self.reasons[path]})" if path in self.reasons else "")
+                     for path, where in self.items())
+
+
+def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
+  """Says where each parameter leaf is updated, without running anything.
+
+  Args:
+    tx: an optax transformation (placements of backward mode), or a ``FusedTransformation``
+      (placements of its mode).
+    loss_fn: ``loss_fn(params, *args, **kwargs)``.
+    params: params or their ``jax.ShapeDtypeStruct`` values.
+    *args: the loss's other arguments (arrays or ``jax.ShapeDtypeStruct`` values).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A ``Placements``: a dict from leaf path (``jax.tree_util.keystr``) to where its update runs,
+    whose ``reasons`` say, for every leaf a scan reads as its stacked input and that is not
+    updated inside the loop, why (read twice, inside a ``while_loop``, the loop too short, given
+    up by the memory guard (``fuse(..., guard=True)``, with both peaks), the
+    update mixes rows...). Backward mode:
+    ``"loop"`` (row by row inside the backward loop of a scan, in place) or ``"tap"`` (in the
+    backward pass once its whole gradient is complete). Forward mode: ``"loop"`` (row by row
+    inside the forward loop of a scan, in place, just before the layer runs), ``"rows"`` (row
+    by row in place before the loss) or ``"leaf"`` (whole, before the loss). Mode "off":
+    ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged). Its
+    ``state`` says where each leaf's optimizer-state slots live: ``"host"`` with
+    ``offload="state"``, else ``"device"``.
+
+  Raises:
+    NonSeparableError: ``tx`` cannot run in backward mode (without ``global_ops="two_pass"``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optfuse
+    >>> def loss(p, x):
+    ...   h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["layers"])
+    ...   return jnp.sum(h @ p["head"])
+    >>> params = {"layers": jnp.zeros((4, 3, 3)), "head": jnp.zeros((3,))}
+    >>> optfuse.describe(optax.adam(1e-3), loss, params, jnp.ones(3))
+    {"['head']": 'tap', "['layers']": 'loop'}
+  """
+  engine = (_fuse.make_engine(tx.tx, tx.mode, tx.global_ops, guard=tx.guard)
+            if isinstance(tx, _fuse.FusedTransformation) else _fuse.make_engine(tx))
+  spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+  params = jax.tree.map(spec, params)
+  args, kwargs = jax.tree.map(spec, (args, kwargs))
+  leaves = jax.tree.leaves(params)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  state = jax.eval_shape(engine.init, params)
+  found: list = []
+  jax.eval_shape(lambda p, s, a, kw: found.append(engine.placements(loss_fn, p, s, a, kw)),
+                 params, state, args, kwargs)
+  placed, reasons = found[0]
+  diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
+  label = lambda i: placed.get(i, engine.unplaced) if i in diff else "carried"
+  offload = isinstance(tx, _fuse.FusedTransformation) and tx.offload is not None
+  return Placements({path: label(i) for i, path in enumerate(paths)},
+                    {paths[i]: why for i, why in reasons.items()
+                     if i in diff and placed.get(i) != "loop"},
+                    _state_memory(engine.tx, params, paths, diff, offload))
+
+
+def _state_memory(tx, params, paths: list[str], diff: set[int], offload: bool
+                  ) -> dict[str, str]:
+  """Leaf path -> where its slots live, from the separable split of ``tx`` (the slots each
+  leaf's update owns); empty when ``tx`` does not split per leaf."""
+  state = jax.eval_shape(tx.init, params)
+  try:
+    plan = _make.make_plan(tx, params, state)
+  except NonSeparableError:
+    return {}
+  flat = jax.tree.leaves(state)
+  where = lambda i: ("host" if offload and any(_memory_spaces.offloaded(flat[k])
+                                               for k in plan.groups[i].state_outs) else "device")
+  return {paths[i]: where(i) for i in sorted(diff) if plan.groups[i].state_outs}

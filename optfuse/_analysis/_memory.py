@@ -1,0 +1,264 @@
+"""Compile-only memory report: how much device memory a training step needs, before it runs.
+
+``memory_report`` lowers and compiles ``jax.jit(step, donate_argnums=(0, 1))`` for the optax step
+(mode "off") and the fused steps, and reads XLA's buffer assignment from
+``compiled.memory_analysis()``. Nothing is allocated or run: params and arguments may be
+``jax.ShapeDtypeStruct`` values, so a model that does not fit on the device can still be measured.
+
+The peak is ``argument + temp + output - alias`` bytes: the step's inputs, its scratch buffers
+and its outputs, minus the outputs written into donated input buffers.
+
+``target=`` compiles for another accelerator's compiler (``_registry``: TPU v5e, H100...)
+without its hardware. A compiler that refuses a program for want of memory (the TPU compiler's
+``RESOURCE_EXHAUSTED ... exceeds available HBM``) answers "does not fit", with the bytes it says
+it needed, instead of raising.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import optax
+
+from optfuse import _fuse
+from optfuse._base import _checks
+from optfuse._base._errors import NonSeparableError, OffloadError
+from optfuse._targets import _backends, _inputs, _registry
+from optfuse._targets._compiled import FIELDS, HOST_FIELDS, DoesNotFit, compile_memory, format_bytes
+
+MODES = ("off", "backward", "forward")
+
+# Errors that mean "this mode cannot run this optimizer (yet)", reported as an unavailable row.
+UNAVAILABLE_ERRORS = (NotImplementedError, NonSeparableError, OffloadError)
+
+
+def first_sentence(text: str) -> str:
+  """The first sentence of an error message, for one-line table cells."""
+  text = " ".join(text.split())
+  end = text.find(". ")
+  return text if end < 0 else text[:end + 1]
+
+
+def error_line(e: BaseException) -> str:
+  """An exception as one table cell: its type and the first sentence of its message."""
+  return f"{type(e).__name__}: {first_sentence(str(e))}"
+
+
+def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
+  """Whether ``loss_fn`` returns a ``(loss, aux)`` pair, decided from its abstract output."""
+  return _checks.returns_pair(loss_fn, params, args, kwargs)
+
+
+def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
+               kwargs: Mapping[str, Any] | None = None, has_aux: bool = False,
+               target: _registry.Target | None = None, **step_options: Any
+               ) -> jax.stages.Lowered:
+  """Lowers ``jax.jit(fx.value_and_update(loss_fn, ...), donate_argnums=(0, 1))``.
+
+  Args:
+    fx: the fused transformation.
+    loss_fn: ``loss_fn(params, *args, **kwargs)``.
+    params: params or their ``jax.ShapeDtypeStruct`` values.
+    args: positional arguments of ``loss_fn`` (arrays or ``jax.ShapeDtypeStruct`` values).
+    kwargs: keyword arguments of ``loss_fn``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    target: a resolved compile target (``optfuse._targets._registry.resolve``), or ``None`` for the
+      default backend with the inputs as given.
+    **step_options: further keyword arguments of ``fx.value_and_update``.
+
+  Returns:
+    The lowered step; its state argument is ``jax.eval_shape(fx.init, params)`` (on a target,
+    laid out as ``fx.init`` lays it out from the placed params).
+  """
+  kwargs = dict(kwargs or {})
+  # The offloaded state is laid out from the device-resident init (``_inputs.offloaded_on``).
+  init = fx.init if fx.offload is None else _fuse.fuse(fx.tx, fx.mode, fx.global_ops).init
+  if target is None:
+    state = jax.eval_shape(init, params)
+  else:
+    params = _inputs.params_on(params, target)
+    args, kwargs = _inputs.batch_on((tuple(args), kwargs), target)
+    state = _inputs.state_on(init, params, target)
+  if fx.offload is not None:
+    state = _inputs.offloaded_on(state, target)
+  step = jax.jit(fx.value_and_update(loss_fn, has_aux=has_aux, **step_options),
+                 donate_argnums=(0, 1))
+  if target is None:
+    return step.lower(params, state, *args, **kwargs)
+  # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
+  # (``_inputs.offloaded_on``), which the lowering resolves against the concrete one; the
+  # step takes the target's per-backend choices (``_backends``).
+  with jax.set_mesh(target.mesh), _backends.lowering_for(target):
+    return step.lower(params, state, *args, **kwargs)
+
+
+def mode_table(header: list[str], rows: Mapping[str, list[str]],
+               unavailable: Mapping[str, str], refused: Mapping[str, Any] | None = None
+               ) -> list[str]:
+  """Fixed-width lines: the header, then one line per mode in ``MODES`` order, the modes of
+  ``unavailable`` with the first sentence of their reason, those of ``refused`` (the
+  compiler's ``DoesNotFit``) with what the compiler needed."""
+  refused = refused or {}
+  widths = [max(len(cells[i]) for cells in [header, *rows.values()]) for i in range(len(header))]
+  widths[0] = max([widths[0], *map(len, unavailable), *map(len, refused)])
+  fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip()
+  lines = [fmt(header)]
+  for mode in MODES:
+    if mode in rows:
+      lines.append(fmt(rows[mode]))
+    elif mode in unavailable:
+      lines.append(fmt([mode, f"unavailable: {first_sentence(unavailable[mode])}"]))
+    elif mode in refused:
+      lines.append(fmt([mode, str(refused[mode])]))
+  return lines
+
+
+class MemoryReport(Mapping):
+  """Compiled memory per mode: ``report[mode]`` is a dict with the keys of ``FIELDS`` (bytes).
+
+  Modes that cannot run this optimizer are absent from the mapping; ``unavailable`` maps them to
+  the reason (the exception's name and message). Modes the compiler refused for want of memory
+  are absent too; ``does_not_fit`` maps them to the refusal. ``str(report)`` is a table.
+
+  Attributes:
+    unavailable: mode -> why it could not be compiled.
+    does_not_fit: mode -> the compiler's ``DoesNotFit`` (the bytes it needed).
+    target: the compile target's name ("cpu" for this machine's default backend).
+    budget_bytes: the memory one device may use on that target, or ``None`` if unknown.
+    budget_source: where ``budget_bytes`` comes from.
+  """
+
+  def __init__(self, rows: Mapping[str, Mapping[str, int]], unavailable: Mapping[str, str],
+               does_not_fit: Mapping[str, DoesNotFit] | None = None, target: str | None = None,
+               budget_bytes: int | None = None, budget_source: str = "unknown"):
+    self._rows = {mode: dict(row) for mode, row in rows.items()}
+    self.unavailable = dict(unavailable)
+    self.does_not_fit = dict(does_not_fit or {})
+    self.target = target
+    self.budget_bytes = budget_bytes
+    self.budget_source = budget_source
+
+  def __getitem__(self, mode: str) -> dict[str, int]:
+    return self._rows[mode]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._rows)
+
+  def __len__(self) -> int:
+    return len(self._rows)
+
+  def fits(self, mode: str) -> bool | None:
+    """Whether ``mode``'s step fits the target's budget (``None``: no budget is known).
+
+    Raises:
+      KeyError: ``mode`` was not compiled (unavailable, or not a mode).
+    """
+    if mode in self.does_not_fit:
+      return False
+    peak = self._rows[mode]["peak_bytes"]
+    return None if self.budget_bytes is None else peak <= self.budget_bytes
+
+  def table(self) -> str:
+    """The report as a fixed-width text table, one line per mode."""
+    header = ["mode", "peak", "temp", "arguments", "outputs", "aliased", "peak vs off"]
+    host = any(row.get("host_bytes") for row in self._rows.values())
+    if host:
+      header.insert(6, "host")
+    budget = self.budget_bytes is not None
+    if budget:
+      header.append("fits")
+    base = self._rows["off"]["peak_bytes"] if "off" in self._rows else None
+    rows = {}
+    for mode, row in self._rows.items():
+      ratio = f"{row['peak_bytes'] / base:.2f}x" if base else "-"
+      rows[mode] = [mode, *(format_bytes(row[k]) for k in FIELDS + HOST_FIELDS[:host]), ratio]
+      if budget:
+        rows[mode].append("yes" if self.fits(mode) else "no")
+    lines = mode_table(header, rows, self.unavailable, self.does_not_fit)
+    if self.target is not None:
+      within = (f", budget {format_bytes(self.budget_bytes)} per device ({self.budget_source})"
+                if budget else "")
+      lines.append(f"compiled for {self.target}{within}")
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.table()
+
+  def __repr__(self) -> str:
+    return f"MemoryReport(\n{self.table()}\n)"
+
+
+def target_budget(target: _registry.Target | None) -> tuple[str, int | None, str]:
+  """The name, per-device budget and budget source of a resolved target (``None``: default)."""
+  if target is None:
+    return (jax.default_backend(), *_registry.default_budget())
+  return target.name, target.memory_bytes, target.memory_source
+
+
+def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: Any, *args: Any,
+                  target: Any = None, offload: str | None = None, guard: bool = False,
+                  **kwargs: Any) -> MemoryReport:
+  """Compiled memory of the optax step and of the fused steps, without running anything.
+
+  Each mode's step is ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` lowered
+  for ``params``, ``fx.init``'s state and ``args``/``kwargs``, then compiled for the default
+  backend or for ``target``. Whether ``loss_fn`` returns ``(loss, aux)`` is read from its
+  abstract output.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args, **kwargs)``, as given to ``fx.value_and_update``.
+    tx: the optax transformation.
+    params: params or their ``jax.ShapeDtypeStruct`` values.
+    *args: positional arguments of ``loss_fn``: arrays or ``jax.ShapeDtypeStruct`` values.
+    target: the compiler to compile for (a reserved keyword, not passed to ``loss_fn``):
+      ``None`` for this machine's default backend, a name of ``optfuse.targets()``
+      ("tpu-v5e", "tpu-v5e:2x2", "h100", "t4"...), a ``jax.sharding.Mesh``, a
+      ``TopologyDescription`` or a sequence of devices. Memory is per device; on several
+      devices the step is data parallel unless the inputs carry their own shardings.
+    offload: ``"state"`` compiles every mode with ``optfuse.fuse(tx, mode,
+      offload="state")`` (a reserved keyword too): the state's slots in host memory, reported
+      apart as ``host_bytes``.
+    guard: ``True`` compiles backward mode with ``optfuse.fuse(tx, guard=True)`` (a reserved
+      keyword too): its loops kept only where they lower the peak on ``target``.
+    **kwargs: keyword arguments of ``loss_fn``.
+
+  Returns:
+    A ``MemoryReport``: a mapping from "off", "backward", "forward" to dicts with
+    ``peak_bytes``, ``temp_bytes``, ``argument_bytes``, ``output_bytes`` and ``alias_bytes``
+    (device memory) and ``host_bytes`` (host memory the step uses: the offloaded state).
+    A mode that cannot run ``tx`` (a non-separable transform in backward mode, a mode this
+    version does not implement) is left out and its reason kept in ``report.unavailable``; a
+    mode the compiler refused for want of memory is left out and kept in
+    ``report.does_not_fit``. ``report.fits(mode)`` compares each peak with the target's memory.
+
+  Raises:
+    TargetError: ``target`` is unknown or its compiler is not installed (the message names the
+      pip extra that installs it).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optfuse
+    >>> params = {"w": jax.ShapeDtypeStruct((512, 512), jnp.float32)}
+    >>> x = jax.ShapeDtypeStruct((8, 512), jnp.float32)
+    >>> loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+    >>> report = optfuse.memory_report(loss, optax.adamw(1e-3), params, x)
+    >>> report["off"]["argument_bytes"] >= 3 * 512 * 512 * 4  # params, mu and nu
+    True
+  """
+  resolved = _registry.resolve(target)
+  has_aux = loss_has_aux(loss_fn, params, *args, **kwargs)
+  rows, unavailable, refused = {}, {}, {}
+  for mode in MODES:
+    try:
+      fx = _fuse.fuse(tx, mode=mode, offload=offload, guard=guard and mode == "backward")
+      memory = compile_memory(lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
+                                         target=resolved))
+    except UNAVAILABLE_ERRORS as e:
+      unavailable[mode] = f"{type(e).__name__}: {e}"
+      continue
+    if isinstance(memory, DoesNotFit):
+      refused[mode] = memory
+    else:
+      rows[mode] = memory
+  return MemoryReport(rows, unavailable, refused, *target_budget(resolved))

@@ -1,0 +1,129 @@
+"""The ``backward`` engine: every parameter leaf updated inside the backward pass.
+
+The step is ``_fused_step.value_and_update`` with the optimizer's separable plan
+(``_make.make_plan``, which refuses a transform whose update of one leaf reads the gradients of
+others): unstacked leaves through taps, stacked leaves of scans row by row inside their backward
+loops. With ``microbatches=k`` every backward pass adds its gradient to a running sum in place,
+and the update of the sum follows the loop over microbatches (``_accumulate.fused_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import jax
+import optax
+
+from optfuse._base import _checks, _leaves
+from optfuse._engines import _guard
+from optfuse._engines._engine import Step
+from optfuse._fusion import _accumulate, _fused_step, _loops
+from optfuse._plan import _make
+from optfuse._plan._plan import Plan, PlanCache
+
+
+class BackwardEngine:
+  """``mode="backward"``: leaves placed "loop" (inside a scan's backward loop) or "tap"."""
+
+  unplaced = "tap"
+  two_pass = False
+
+  def __init__(self, tx: optax.GradientTransformation, guard: bool = False):
+    self.tx = tx
+    self.guard = guard
+    self.plans = _GuardedPlans(PlanCache(self.make_plan))
+
+  def make_plan(self, params, state) -> Plan:
+    return _make.make_plan(self.tx, params, state)
+
+  def init(self, params):
+    _checks.check_params(params)
+    return self.tx.init(params)
+
+  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict):
+    """One fused step."""
+    return _fused_step.value_and_update(self.plans(params, state), loss_fn, has_aux, params,
+                                        state, args, kwargs)
+
+  def unchecked(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+    """The step without its input checks."""
+    if microbatches == 1:
+      return lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
+                                                               args, kwargs)
+    return _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
+
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+    inner = self.unchecked(loss_fn, has_aux, microbatches)
+    if self.guard:
+      inner = self.guarded(inner, loss_fn)
+    return _checks.checked_step(self.tx, inner)
+
+  def guarded(self, inner: Step, loss_fn: Callable) -> Step:
+    """``inner`` with the fused leaves the memory guard taps (``_guard``), decided once per
+    input shapes."""
+    decisions: dict = {}
+
+    def step(params, state, *args, **kwargs):
+      key = _guard.shapes_key(params, state, args, kwargs)
+      if key not in decisions:
+        loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
+        decisions[key] = self.decide(inner, loop_plan, params, state, args, kwargs)
+      with self.plans.refusing(decisions[key]):
+        return inner(params, state, *args, **kwargs)
+
+    return step
+
+  def decide(self, inner: Step, loop_plan: _loops.LoopPlan, params, state, args: tuple,
+             kwargs: dict) -> dict[int, str]:
+    """The fused leaves of ``loop_plan`` the memory guard taps: ``_guard.decide`` on
+    ``inner``'s peaks."""
+    sites = [site.leaves for site in loop_plan.sites.values()]
+
+    def peak_of(tapped: frozenset) -> int:
+      with self.plans.refusing(dict.fromkeys(tapped, "tapped by the memory guard's probe")):
+        return _guard.peak(inner, params, state, args, kwargs, self.tx.init)
+
+    return _guard.decide(sites, peak_of)
+
+  def analyze(self, loss_fn: Callable, params, state, args: tuple, kwargs: dict
+              ) -> _loops.LoopPlan:
+    plan = self.plans(params, state)
+    leaves = plan.params_def.flatten_up_to(params)
+    diff = [i for i, p in enumerate(leaves) if _leaves.is_float(p)]
+    return _loops.analyze(loss_fn, plan, params, jax.tree.leaves(state), args, kwargs, diff,
+                          two_pass=self.two_pass and not plan.is_separable)
+
+  def flush(self, params, state):
+    return params, state
+
+  def placements(self, loss_fn, params, state, args, kwargs):
+    loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
+    if self.guard:
+      inner = self.unchecked(loss_fn, _checks.returns_pair(loss_fn, params, args, kwargs), 1)
+      refused = self.decide(inner, loop_plan, params, state, args, kwargs)
+      if refused:
+        with self.plans.refusing(refused):
+          loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
+    return dict.fromkeys(loop_plan.fused_leaves, "loop"), loop_plan.reasons
+
+
+class _GuardedPlans:
+  """The plans of a ``PlanCache``, with the leaves the memory guard taps refused their loops
+  (``Plan.refused``) while ``refusing`` is active."""
+
+  def __init__(self, plans: PlanCache):
+    self._plans = plans
+    self._refused: tuple = ()
+
+  def __call__(self, params, state) -> Plan:
+    plan = self._plans(params, state)
+    return plan._replace(refused=self._refused) if self._refused else plan
+
+  @contextlib.contextmanager
+  def refusing(self, refused: dict[int, str]) -> Iterator[None]:
+    outer, self._refused = self._refused, tuple(sorted(refused.items()))
+    try:
+      yield
+    finally:
+      self._refused = outer

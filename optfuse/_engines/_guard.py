@@ -1,0 +1,96 @@
+"""The memory guard: a fused loop is kept only where the compiled step peaks no higher with it.
+
+Fusing a scan's stacked leaves into its backward loop removes their stacked gradient, but the
+loop's own buffers (its rows in flight, the residuals it stacks) are placed by the compiler, and
+on some compilers and bodies they cost more than the gradient saved (the TPU v5e compiler's
+bfloat16 scan forms). With ``optfuse.fuse(tx, guard=True)`` the first trace of a step for given
+input shapes compiles it, on the platform it is traced for, once with every loop fused and once
+with every fused leaf tapped (and with several fused scans, once per scan with that scan's
+leaves tapped), and keeps the placement whose peak is lowest, the fused one on a tie. A loop
+given up says so in ``optfuse.describe(...).reasons``, with both peaks.
+
+The decision is cached per step and input shapes: a step traced again (another ``jax.jit`` of
+it, ``describe``) compiles nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optfuse._base._checks import abstract
+from optfuse._fusion._loops import is_dynamic
+from optfuse._targets import _backends, _inputs
+from optfuse._targets._compiled import DoesNotFit, compile_memory, format_bytes
+
+
+def _hashable(x) -> bool:
+  try:
+    hash(x)
+  except TypeError:
+    return False
+  return True
+
+
+def shapes_key(params, state, args: tuple, kwargs: dict) -> Any:
+  """What the decision depends on: the inputs' tree structures, shapes and dtypes, the static
+  arguments, and the platform the step is traced for."""
+  leaves, treedef = jax.tree.flatten((params, state, args, kwargs))
+  described = tuple((jnp.shape(x), str(jnp.result_type(x))) if is_dynamic(x)
+                    else ("static", x if _hashable(x) else id(x)) for x in leaves)
+  return treedef, described, _backends.platform(), id(_backends.target())
+
+
+def peak(step: Callable, params, state, args: tuple, kwargs: dict, init: Callable) -> int:
+  """The compiled peak of ``jax.jit(step, donate_argnums=(0, 1))`` for the shapes of the
+  inputs (the bytes the compiler says it needed, for a program that does not fit), on the
+  target steps are lowered for (``_backends.target``) or this machine's default device."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dynamic = [is_dynamic(x) for x in leaves]
+
+  def probe(params, state, dyn):
+    it = iter(dyn)
+    a, kw = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, dynamic)])
+    return step(params, state, *a, **kw)
+
+  params, state = abstract(params), abstract(state)
+  dyn = abstract([x for x, d in zip(leaves, dynamic) if d])
+  target = _backends.target()
+  if target is not None:
+    params = _inputs.params_on(params, target)
+    dyn = _inputs.batch_on(dyn, target)
+    state = _inputs.state_on(init, params, target)
+  memory = compile_memory(jax.jit(probe, donate_argnums=(0, 1)).lower(params, state, dyn))
+  if isinstance(memory, DoesNotFit):
+    return memory.needed_bytes or 0
+  return memory["peak_bytes"]
+
+
+def decide(sites: Sequence[tuple[int, ...]], peak_of: Callable[[frozenset], int]
+           ) -> dict[int, str]:
+  """The fused leaves to tap instead, with why.
+
+  Args:
+    sites: the leaves of each fused scan.
+    peak_of: the compiled peak of the step with the given leaves tapped.
+
+  Returns:
+    leaf -> why it is tapped, for the leaves of the placement with the lowest peak (every loop
+    fused on a tie).
+  """
+  fused = frozenset(leaf for site in sites for leaf in site)
+  if not fused:
+    return {}
+  candidates = [frozenset(), fused]
+  if len(sites) > 1:
+    candidates += [frozenset(site) for site in sites]
+  peaks = {c: peak_of(c) for c in candidates}
+  best = min(candidates, key=lambda c: (peaks[c], len(c)))
+  platform = _backends.platform()
+  why = (f"guard=True: compiled for {platform}, the step peaks at "
+         f"{format_bytes(peaks[frozenset()])} with its loop fused and "
+         f"{format_bytes(peaks[best])} with its leaves tapped, so they are tapped")
+  return dict.fromkeys(sorted(best), why)

@@ -1,0 +1,213 @@
+"""Two-pass backward: global transforms (clipping, apply_if_finite) fused into the backward pass.
+
+``optfuse.fuse(tx, mode="backward", global_ops="two_pass")`` runs the forward pass once and its
+pullback twice. Each float leaf enters the loss through a tap (an identity with a
+``jax.custom_vjp``, ``_tap``):
+
+* in the first backward pass each tap's rule computes its leaf's *statistics* (its squared norm,
+  whether it is finite: ``_plan.StatsPlan``) from the leaf's complete gradient and returns them
+  as the cotangent of a zero input, so only statistics leave the pass;
+* the *combine* step turns every leaf's statistics into the *cuts* (the clipping factor, the
+  all-finite flag) and the global state;
+* in the second backward pass, over the same forward residuals, each tap's rule runs its leaf's
+  group with the cuts and returns the new param and state leaves as cotangents.
+
+No gradient tree is ever materialised. With gradient accumulation (``microbatches=k``,
+``_accumulate.fused_step``) the sum of the microbatches' gradients is a buffer anyway: each
+backward pass adds to it in place, once, and the global stage then reads it directly, so
+there is no second pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optfuse._base import _leaves
+from optfuse._base._checks import check_loss
+from optfuse._engines import _backward
+from optfuse._fusion import _loops
+from optfuse._fusion._row_buffers import value_after
+from optfuse._fusion._tap import make_tap
+from optfuse._plan import _make
+from optfuse._plan._plan import Plan
+
+
+def _carry(x):
+  """A statistic as a cotangent: bool statistics travel as exact 0.0/1.0 float32."""
+  return x.astype(jnp.float32) if jnp.result_type(x) == jnp.bool_ else x
+
+
+def _uncarry(x, aval: jax.ShapeDtypeStruct):
+  return x != 0 if aval.dtype == jnp.bool_ else x
+
+
+class _Updater:
+  """What the backward loops of fused scans (``_loops._fused_scan``) ask of a two-pass step.
+
+  ``stage`` is ``"stats"`` during the first backward pass (each row of a scanned leaf's gradient
+  is reduced into the leaf's statistics) and ``"update"`` during the second (each row is updated
+  with ``cuts``, the combined statistics).
+  """
+
+  def __init__(self, plan: Plan, state_leaves: list, param_leaves: list):
+    self.plan = plan
+    self.state = state_leaves
+    self.params = param_leaves
+    self.update_params = True
+    self.pre_updates: dict = {}
+    self.pre_results: dict = {}
+    self.stat_inputs: dict = {}
+    self.stage = "stats"
+    self.cuts: list = []
+    self.fired_in: dict[str, set[int]] = {"stats": set(), "update": set()}
+
+  @property
+  def fired(self) -> set[int]:
+    return self.fired_in[self.stage]
+
+  def readonly(self, i: int) -> None:
+    del i  # the rows read the whole state and params from here, not from the loop's inputs
+
+  def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int,
+                 axis: int = 0):
+    del readonly
+    return self.plan.run_group_row(i, self.state, self.params, self.cuts,
+                                   (grad_row, param_row, slot_rows), index, length, axis)
+
+  def row_stats(self, i: int, grad_row, index, length: int, axis: int = 0):
+    return self.plan.run_stats_row(i, grad_row, self.state, self.params, index, length, axis)
+
+
+def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
+                     args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+  """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
+
+  Args:
+    plan: a plan with a global stage split into per-leaf statistics
+      (``_make.make_plan(..., global_stage="if_needed")``).
+    loss_fn: ``loss_fn(params, *args, **kwargs)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    params: the params tree.
+    state: the optax state.
+    args: positional arguments of ``loss_fn`` after params.
+    kwargs: keyword arguments of ``loss_fn``.
+
+  Returns:
+    ``(value, params, state)`` where value is the loss, or ``(loss, aux)`` with ``has_aux``.
+  """
+  param_leaves = plan.params_def.flatten_up_to(params)
+  state_leaves = jax.tree.leaves(state)
+  diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
+  updater = _Updater(plan, state_leaves, param_leaves)
+  # A scanned leaf is updated inside the backward loop when its rows can be reduced to its
+  # statistics one at a time and updated one at a time; otherwise it gets a tap.
+  loop_plan = _loops.analyze(loss_fn, plan, params, state_leaves, args, kwargs, diff,
+                             two_pass=True)
+  tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
+
+  def slots_of(i):
+    return tuple(state_leaves[k] for k in plan.groups[i].state_outs)
+
+  def unfired_grad(i):
+    # A leaf the loss does not read (or a non-float one): optax sees a zero gradient.
+    return jnp.zeros_like(param_leaves[i])
+
+  def apply(i, grad, param, slots, cuts):
+    return plan.apply_leaf(i, grad, param, slots, state_leaves, param_leaves, cuts)
+
+  def tap_rule(i):
+    def rule(grad, param, operands):
+      slots, _ = operands
+      updater.fired.add(i)
+      if updater.stage == "stats":
+        params_in = list(param_leaves)
+        params_in[i] = param
+        stats = plan.run_stats(i, grad, state_leaves, params_in)
+        return None, (None, tuple(_carry(s) for s in stats))
+      new_param, new_slots = apply(i, grad, param, slots, updater.cuts)
+      return new_param, (new_slots, None)
+
+    return rule
+
+  taps = {i: make_tap(tap_rule(i)) for i in tapped_leaves}
+  stat_avals = plan.stats.stats if plan.stats is not None else ((),) * plan.num_params
+
+  def tapped_loss(diff_params, slots, stat_zeros):
+    leaves = list(param_leaves)
+    for i in tapped_leaves:
+      leaves[i] = taps[i](diff_params[i], (slots[i], stat_zeros[i]))
+    for i in loop_plan.fused_leaves:
+      leaves[i] = diff_params[i]
+    updater.stat_inputs = stat_zeros
+    value = loop_plan.call(updater, leaves, slots, args, kwargs)
+    return check_loss(value, has_aux)
+
+  stat_zeros = {i: tuple(jnp.zeros(a.shape, jnp.result_type(_carry(jnp.zeros((), a.dtype))))
+                         for a in stat_avals[i]) for i in diff}
+  slots = {i: slots_of(i) for i in diff}
+  loss, pullback, aux = jax.vjp(tapped_loss, {i: param_leaves[i] for i in diff}, slots,
+                                stat_zeros, has_aux=True)
+  seed = jnp.ones_like(loss)
+  cuts, global_state = [], []
+  if plan.stats is not None:
+    _, _, stat_cts = pullback(seed)
+    stats = []
+    for i in range(plan.num_params):
+      if i in updater.fired_in["stats"]:
+        stats.append([_uncarry(x, a) for x, a in zip(stat_cts[i], stat_avals[i])])
+      else:
+        stats.append(plan.run_stats(i, unfired_grad(i), state_leaves, param_leaves))
+    cuts, global_state = plan.run_combine(stats, state_leaves, param_leaves)
+    # Without the order XLA runs the two backward passes side by side (the second one's
+    # cotangents depend on nothing the first computes) and keeps each weight gradient of the
+    # second pass alive until the global statistics are known: optax's memory.
+    seed = value_after(seed, cuts)
+  updater.stage, updater.cuts = "update", cuts
+  new_params, new_slots, _ = pullback(seed)
+  fired = updater.fired_in["update"]
+
+  params_out, state_out = _finish(plan, new_params, new_slots, fired, param_leaves,
+                                  state_leaves, unfired_grad,
+                                  cuts, global_state)
+  value = (loss, aux) if has_aux else loss
+  return (value, jax.tree.unflatten(plan.params_def, params_out),
+          jax.tree.unflatten(plan.state_def, state_out))
+
+
+def _finish(plan: Plan, new_params: dict, new_slots: dict, fired: set, param_leaves: list,
+            state_leaves: list, unfired_grad: Callable, cuts, global_state) -> tuple[list, list]:
+  """The flat new params and state: the fired leaves' cotangents, and optax's update with
+  ``unfired_grad(i)`` for the others."""
+  params_out, slots_out = list(param_leaves), {}
+  for i, p in enumerate(param_leaves):
+    slots = tuple(state_leaves[k] for k in plan.groups[i].state_outs)
+    if i in fired:
+      params_out[i], slots_out[i] = new_params[i], new_slots[i]
+      continue
+    new_p, slots_out[i] = plan.apply_leaf(i, unfired_grad(i), p, slots, state_leaves,
+                                          param_leaves, cuts)
+    if _leaves.is_float(p):
+      params_out[i] = new_p
+    else:  # not trained: optax's zero-gradient update would promote its int slots to float
+      slots_out[i] = _leaves.keep_int_state(slots_out[i], slots)
+  return params_out, plan.new_state(state_leaves, param_leaves, slots_out, global_state)
+
+
+class TwoPassEngine(_backward.BackwardEngine):
+  """``mode="backward", global_ops="two_pass"``: backward fusion of global transforms; a
+  separable transform runs the one-pass backward step."""
+
+  two_pass = True
+
+  def make_plan(self, params, state) -> Plan:
+    return _make.make_plan(self.tx, params, state, global_stage="if_needed")
+
+  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict):
+    plan = self.plans(params, state)
+    if plan.is_separable:
+      return super().fused(loss_fn, has_aux, params, state, args, kwargs)
+    return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs)

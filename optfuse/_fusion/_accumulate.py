@@ -1,0 +1,225 @@
+"""Gradient accumulation over microbatches: every backward pass adds to one sum, in place.
+
+A step over ``k`` microbatches averages their gradients and applies one update, like
+``optax.MultiSteps`` after ``k`` calls or a hand-written accumulation loop. The microbatches run
+in one ``lax.scan`` whose backward passes are fused with a transformation whose state is the
+running sum (``acc += g`` in each leaf's backward rule, row by row inside scanned layers), so
+the sum is the only gradient buffer: optax's loop also holds each microbatch's gradient next to
+it. The update of the mean gradient follows the loop (``_apply``).
+
+The sum has to exist whole before the update anyway, so updating inside the last microbatch's
+backward pass saves nothing; it would compile the loss's forward and backward passes twice
+(once in the loop, once for the last microbatch): 1.33x optax's compile time on the bench's
+accumulation model, against 1.10x in one loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from optfuse._base._errors import MicrobatchError
+from optfuse._base._leaves import is_float, keep_int_state
+from optfuse._fusion import _fused_step, _loops
+from optfuse._fusion._apply import apply_update, stacked_rows
+from optfuse._plan import _make
+from optfuse._plan._plan import Plan
+
+
+def split(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
+  """Reshapes every array leaf of ``(args, kwargs)`` to ``(microbatches, batch // k, ...)``.
+
+  Raises:
+    MicrobatchError: an array leaf is a scalar or its leading axis is not divisible by
+      ``microbatches``.
+  """
+  def reshape(path, x):
+    if not isinstance(x, (jax.Array, np.ndarray)):
+      return x
+    if x.ndim == 0 or x.shape[0] % microbatches:
+      raise MicrobatchError(
+          f"argument {jax.tree_util.keystr(path)} has shape {x.shape}: its leading (batch) axis "
+          f"must be divisible by microbatches={microbatches}. Pass batch-shaped arrays, or close "
+          "over arguments that are not per-example.")
+    return x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+
+  return jax.tree_util.tree_map_with_path(reshape, (args, kwargs))
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _index(tree, sl):
+  return jax.tree.map(lambda x: x[sl] if _is_array(x) else x, tree)
+
+
+def _float_grad(loss_fn: Callable, has_aux: bool):
+  """``(value, grads)`` of ``loss_fn``; non-float param leaves get zero gradients."""
+  def value_and_grad(params, args, kwargs):
+    leaves, treedef = jax.tree.flatten(params)
+    diff = [i for i, p in enumerate(leaves) if is_float(p)]
+
+    def of_diff(diff_leaves):
+      full = list(leaves)
+      for i, x in zip(diff, diff_leaves):
+        full[i] = x
+      return loss_fn(jax.tree.unflatten(treedef, full), *args, **kwargs)
+
+    value, diff_grads = jax.value_and_grad(of_diff, has_aux=has_aux)([leaves[i] for i in diff])
+    grads = [jnp.zeros_like(p) for p in leaves]
+    for i, g in zip(diff, diff_grads):
+      grads[i] = g
+    return value, jax.tree.unflatten(treedef, grads)
+
+  return value_and_grad
+
+
+def accumulator() -> optax.GradientTransformation:
+  """A transformation whose state is the running sum of the gradients (updates are zero)."""
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, acc, params=None):
+    del params
+    return jax.tree.map(jnp.zeros_like, grads), jax.tree.map(jnp.add, acc, grads)
+
+  return optax.GradientTransformation(init, update)
+
+
+def _sum_gradients(loss_fn, has_aux, params, args, kwargs, count):
+  """Sums the gradients of the first ``count`` microbatches; returns ``(values, sum)``."""
+  value_and_grad = _float_grad(loss_fn, has_aux)
+
+  def body(acc, batch):
+    value, grads = value_and_grad(params, *batch)
+    return jax.tree.map(jnp.add, acc, grads), value
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  acc, values = lax.scan(body, zeros, _index((args, kwargs), slice(0, count)))
+  return values, acc
+
+
+def scale_loss(loss_fn: Callable, has_aux: bool, microbatches) -> Callable:
+  """``loss_fn`` divided by ``microbatches`` (an int, or a scalar of the loss's dtype): the sum
+  of its gradients over the microbatches is their mean gradient, and the sum of its values the
+  mean loss."""
+  def scaled(params, *args, **kwargs):
+    value = loss_fn(params, *args, **kwargs)
+    return (value[0] / microbatches, value[1]) if has_aux else value / microbatches
+
+  return scaled
+
+
+class Accumulation(NamedTuple):
+  """What every microbatch of a step reuses: the accumulator's plan and the loss's loop plan
+  (``analyze_loss``)."""
+
+  plan: Plan
+  loop_plan: _loops.LoopPlan
+
+
+def accumulate(loss_fn: Callable, has_aux: bool, params, acc, args: tuple, kwargs: dict,
+               analysis: Accumulation) -> tuple[Any, Any]:
+  """Adds the gradient of ``loss_fn`` to ``acc`` inside its backward pass: ``(value, acc)``.
+
+  A backward-fused step of ``accumulator()``: each leaf's rule (each row's, inside scanned
+  layers) adds its gradient to its slice of ``acc``, in place, and params are left as they are.
+  """
+  value, _, acc = _fused_step.value_and_update(analysis.plan, loss_fn, has_aux, params, acc,
+                                               args, kwargs, update_params=False,
+                                               loop_plan=analysis.loop_plan)
+  return value, acc
+
+
+def analyze_loss(loss_fn: Callable, params, batches) -> Accumulation:
+  """The plans of accumulating ``loss_fn``'s gradient on the microbatches of ``batches``, from
+  the first (the loss is traced here, once for the whole step)."""
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  plan = _make.make_plan(accumulator(), params, zeros)
+  diff = [i for i, p in enumerate(plan.params_def.flatten_up_to(params)) if is_float(p)]
+  args, kwargs = _index(batches, 0)
+  return Accumulation(plan, _loops.analyze(loss_fn, plan, params, jax.tree.leaves(zeros), args,
+                                           kwargs, diff))
+
+
+def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
+               plans: Callable[[Any, Any], Plan]):
+  """A step over ``microbatches`` whose backward passes all accumulate in place.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args, **kwargs)`` on one microbatch.
+    has_aux: whether it returns ``(loss, aux)``.
+    microbatches: how many microbatches each step's arguments are split into.
+    plans: ``plans(params, state)``, the plan of the optimizer, applied once to the mean
+      gradient (``_apply.apply_update``; with a global stage, stacked leaves row by row).
+
+  Returns:
+    ``step(params, state, *args, **kwargs) -> (value, params, state)`` where value is the mean
+    loss over the microbatches (with aux stacked along a leading axis when ``has_aux``).
+  """
+  k = microbatches
+  scaled = scale_loss(loss_fn, has_aux, k)
+
+  def step(params, state, *args, **kwargs):
+    batches = split(args, kwargs, k)
+    analysis = analyze_loss(scaled, params, batches)
+
+    def body(acc, batch):
+      value, acc = accumulate(scaled, has_aux, params, acc, *batch, analysis)
+      return acc, value
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    mean, values = lax.scan(body, zeros, batches)
+    plan = plans(params, state)
+    param_leaves, state_leaves = plan.params_def.flatten_up_to(params), jax.tree.leaves(state)
+    axes = analysis.loop_plan.stacked
+    # A whole-leaf update with a global stage holds full-size temporaries (the clipped gradient,
+    # read by both of Adam's moments): measured 21.09 MB instead of 18.54 MB for 16 stacked
+    # 256x256 layers with clipping and AdamW over 4 microbatches. Without one it is in place, and
+    # a row loop would only be slower.
+    rows = (frozenset() if plan.is_separable
+            else stacked_rows(plan, axes, state_leaves, param_leaves))
+    new_params, new_state, _, _ = apply_update(plan, plan.params_def.flatten_up_to(mean),
+                                            state_leaves, param_leaves, rows, axes=axes)
+    return (sum_value(values, has_aux), jax.tree.unflatten(plan.params_def, new_params),
+            jax.tree.unflatten(plan.state_def, new_state))
+
+  return step
+
+
+def sum_value(values, has_aux: bool):
+  """The step's value from the microbatches' stacked values, each divided by ``k``: their
+  losses summed in at least float32, their aux stacked."""
+  loss, aux = values if has_aux else (values, None)
+  loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32)).sum().astype(loss.dtype)
+  return (loss, aux) if has_aux else loss
+
+
+def _apply(tx: optax.GradientTransformation, grads, state, params) -> tuple[Any, Any]:
+  """``tx``'s update of ``params`` from ``grads``; non-float params are kept as they are, and
+  so are their integer slots (optax would promote them to float)."""
+  updates, new_state = tx.update(grads, state, params)
+  new = optax.apply_updates(params, updates)
+  return (jax.tree.map(lambda p, n: n if is_float(p) else p, params, new),
+          keep_int_state(new_state, state))
+
+
+def optax_step(loss_fn: Callable, has_aux: bool, microbatches: int, tx):
+  """The unfused reference: accumulate all microbatch gradients, average, one optax update."""
+  k = microbatches
+
+  def step(params, state, *args, **kwargs):
+    mb_args, mb_kwargs = split(args, kwargs, k)
+    values, acc = _sum_gradients(loss_fn, has_aux, params, mb_args, mb_kwargs, k)
+    grads = jax.tree.map(lambda g: g / k, acc)
+    value = (values[0].mean(), values[1]) if has_aux else values.mean()
+    return value, *_apply(tx, grads, state, params)
+
+  return step

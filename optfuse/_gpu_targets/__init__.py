@@ -1,1 +1,0 @@
-"""GPU compile targets: one ``GpuTargetConfig`` text proto per GPU (see ``optfuse._targets``)."""

@@ -1,0 +1,60 @@
+"""The one entry that builds an update plan, whatever the transform and the mode asks of it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import optax
+
+from optfuse._base._errors import NonSeparableError
+from optfuse._plan import _global_stage, _separable
+from optfuse._plan._plan import Plan
+
+# What a mode does with a global stage (clipping, ``apply_if_finite``):
+# - "refuse": the plan is separable or ``NonSeparableError`` says why (backward fusion);
+# - "whole": a global stage computed once from the whole gradient (forward fusion);
+# - "per_leaf": the global stage split into per-leaf statistics and a combine step, which a
+#   backward pass or a row loop can carry (forward fusion with the pending gradient on host);
+# - "if_needed": separable where the transform is, per-leaf statistics otherwise (two-pass).
+GlobalStage = Literal["refuse", "whole", "per_leaf", "if_needed"]
+
+
+def make_plan(tx: optax.GradientTransformation, params, state,
+              global_stage: GlobalStage = "refuse") -> Plan:
+  """Traces ``tx.update`` for these params/state once and splits it per parameter leaf.
+
+  Args:
+    tx: any optax transformation.
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
+    state: ``tx.init(params)`` or a state of the same structure.
+    global_stage: what to do with a global stage (see ``GlobalStage``).
+
+  Returns:
+    The ``Plan``.
+
+  Raises:
+    NonSeparableError: ``"refuse"`` and some leaf's update reads other leaves' gradients;
+      ``"per_leaf"`` or ``"if_needed"`` and the global stage does not split into per-leaf
+      statistics.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+    >>> make_plan(optax.adam(0.1), params, optax.adam(0.1).init(params)).is_separable
+    True
+    >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    >>> make_plan(tx, params, tx.init(params), global_stage="if_needed").is_separable
+    False
+  """
+  if global_stage not in ("refuse", "whole", "per_leaf", "if_needed"):
+    raise ValueError(f"unknown global_stage {global_stage!r}")
+  traced = _separable.trace_update(tx, params, state)
+  if global_stage == "refuse":
+    return _separable.make_plan(tx, params, state, traced)
+  if global_stage == "if_needed":
+    try:
+      return _separable.make_plan(tx, params, state, traced)
+    except NonSeparableError:
+      pass
+  return _global_stage.make_global_plan(tx, params, state, two_pass=global_stage != "whole",
+                                        traced=traced)

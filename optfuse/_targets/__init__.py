@@ -1,0 +1,3 @@
+"""Compile targets and what depends on them: the registry of TPU and GPU targets, their GPU
+device descriptions (``gpu/*.txtpb``), abstract step inputs placed on a target, compiled memory
+read from XLA's buffer assignment, and the per-backend table of compiler-dependent choices."""

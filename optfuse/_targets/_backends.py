@@ -1,0 +1,85 @@
+"""Choices that depend on the compiler: one table per choice, keyed by platform.
+
+Each entry keeps one line of why; the figures that chose it are in the docs' design page. A
+step picks its entry with ``for_platform`` while it is traced, for the platform it will be
+lowered for: this machine's backend, or the target's inside ``lowering_for``
+(``optfuse.memory_report`` and ``max_batch_size`` compile for a TPU or GPU target from this CPU
+in it). The step is traced once: ``lax.platform_dependent`` would stage every platform's
+alternative and trace the step once per alternative (a slower compile). A program lowered for
+another platform by other means than ``lowering_for`` gets this machine's choices: the same
+math, the other compiler's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+# The target a step is being traced for, when it is not this machine's backend. Set only by
+# ``lowering_for``; read at trace time by ``for_platform`` and the memory guard.
+_TARGET: contextvars.ContextVar[Any] = contextvars.ContextVar("optfuse_target", default=None)
+
+# The measurements that chose each entry, with the command that reproduces them, are in the docs'
+# design page (docs/design.md, "Choices made per compiler").
+
+# Host-resident slot rows (``offload="state"``) are prefetched an iteration ahead, not read once
+# the gradient row exists: lower peaks on the TPU compiler, higher on the GPU compiler.
+STREAMED_PREFETCH = {"tpu": True, "cuda": False, "rocm": False, "cpu": True}
+
+# Forward fusion updates every stacked leaf row by row, not whole in the pending update's
+# conditional: the GPU compiler copies the whole params and state around the conditional.
+FORWARD_STACKED_ROWS = {"tpu": True, "cuda": True, "rocm": True, "cpu": False}
+
+# Forward fusion picks the pending update with a select per leaf rather than one ``lax.cond``:
+# the GPU compiler copies every leaf a conditional updates whole; XLA:CPU does the opposite.
+# With ``offload="state"`` the conditional stays on every platform.
+PENDING_SELECT = {"tpu": False, "cuda": True, "rocm": True, "cpu": False}
+
+# A fused scan's forward loop carries the param stacks it reads (rows written back behind an
+# ``optimization_barrier``): the TPU compiler hoists a whole-stack cast of a loop invariant.
+CARRIED_STACKS = {"tpu": True, "cuda": False, "rocm": False, "cpu": False}
+
+# The row loops pin each param stack they write to its stored row-major layout: the TPU
+# compiler otherwise lays a sliced stack out layer-major, a transposed copy of the whole stack.
+STORED_LAYOUTS = {"tpu": True, "cuda": False, "rocm": False, "cpu": False}
+
+
+@contextlib.contextmanager
+def lowering_for(target: Any) -> Iterator[None]:
+  """Steps traced inside are traced for the resolved ``target`` (``_registry.Target``; ``None``:
+  this machine's backend): its platform's choices, and what a step compiles on its own (the
+  memory guard) it compiles for that target."""
+  token = _TARGET.set(target)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
+
+
+def target() -> Any:
+  """The resolved target steps are traced for now, or ``None`` (this machine's default
+  device)."""
+  return _TARGET.get()
+
+
+def platform() -> str:
+  """The platform steps are traced for now ("cpu", "tpu", "cuda"; JAX's "gpu" is "cuda")."""
+  current = _TARGET.get()
+  name = current.platform if current is not None else jax.default_backend()
+  return "cuda" if name == "gpu" else name
+
+
+def for_platform(table: dict[str, Any]) -> Any:
+  """``table``'s entry for ``platform()``, the CPU's for a platform not in it.
+
+  Args:
+    table: platform name -> the value of the choice there ("cpu", "tpu", "cuda", "rocm").
+
+  Returns:
+    The value of the choice for the platform steps are traced for now.
+  """
+  return table.get(platform(), table["cpu"])

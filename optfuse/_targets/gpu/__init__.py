@@ -1,0 +1,1 @@
+"""GPU compile targets: one ``GpuTargetConfig`` text proto per GPU (``_registry``)."""
