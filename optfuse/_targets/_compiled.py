@@ -20,7 +20,7 @@ HOST_FIELDS = ("host_bytes",)
 
 
 def format_bytes(n: float | None) -> str:
-  """``n`` bytes in decimal units (kB, MB, GB), as XLA and the README quote them."""
+  """``n`` bytes in decimal units (kB, MB, GB), as XLA and the docs quote them."""
   if n is None:
     return "-"
   for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

@@ -16,7 +16,7 @@ batch split along its leading axis over every device) unless the inputs carry th
 ``NamedSharding`` on the target's devices (FSDP, say); memory is reported per device.
 
 The registry is data: ``SPECS`` names each target, its compiler and where its memory budget
-comes from. Adding a GPU is one ``.txtpb`` file in ``optfuse/_gpu_targets`` (a
+comes from. Adding a GPU is one ``.txtpb`` file in ``optfuse/_targets/gpu`` (a
 ``GpuTargetConfig`` text proto) and one entry here; adding a TPU is one entry with its
 topology prefix and the HBM limit its compiler states.
 """
@@ -24,9 +24,11 @@ topology prefix and the HBM limit its compiler states.
 from __future__ import annotations
 
 import functools
+import glob
 import importlib.resources
 import importlib.util
 import os
+import pathlib
 import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -78,6 +80,46 @@ SPECS: dict[str, TargetSpec] = {
     "h100": TargetSpec("cuda", "h100.txtpb", "1x1x1", None, "NVIDIA H100 SXM 80 GB"),
     "h200": TargetSpec("cuda", "h200.txtpb", "1x1x1", None, "NVIDIA H200 SXM 141 GB"),
 }
+
+def _accelerator_present() -> bool:
+  """Whether this machine shows a TPU or an NVIDIA GPU: a device file, or a Google PCI device."""
+  if os.environ.get("JAX_FORCE_TPU_INIT") is not None or any(
+      glob.glob(p) for p in ("/dev/nvidia*", "/dev/dxg", "/dev/accel*", "/dev/vfio/[0-9]*")):
+    return True
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      if pathlib.Path(vendor).read_text().strip() == "0x1ae0":  # Google's vendor id: a TPU
+        return True
+    except OSError:
+      pass
+  return False
+
+
+def _quiet_compilers() -> None:
+  """Tells libtpu and the CUDA plugin, before they start, that this machine has no TPU or GPU.
+
+  Without it a machine with the tpu and cuda extras but no accelerator logs their failures on
+  every run: libtpu (loaded by JAX's backend probe or by a compile-only TPU target) finds no TPU
+  metadata server and prints an ``E0000 ... unexpected worker hostname`` error and a source
+  trace, and the CUDA plugin's version check, which needs a CUDA runtime and a GPU, prints a
+  traceback. Only defaults are set, and only where no accelerator is visible, so a user's
+  settings and a real TPU or GPU are left to JAX as they are.
+  """
+  if _accelerator_present():
+    return
+  # libtpu without a TPU metadata server reads the slice's hosts from here: one host, this one.
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  if "TPU_ACCELERATOR_TYPE" not in os.environ:
+    # ... and this host's chip bounds, which it would otherwise look up by accelerator type.
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+  # Compile-only use needs no exclusive hold of libtpu, and another process may have it.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # The CUDA plugin's check of the CUDA runtime and libraries concerns running on a GPU, which
+  # JAX skips without one; compile-only devices need only the plugin (as with JAX_PLATFORMS=cpu).
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+_quiet_compilers()
 
 INSTALL = {"tpu": 'pip install "optfuse[tpu]" (in a checkout: pip install -e ".[tpu]")',
            "cuda": 'pip install "optfuse[cuda]" (in a checkout: pip install -e ".[cuda]")'}

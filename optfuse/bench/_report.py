@@ -127,7 +127,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[str]:
                + " (XLA already updates each leaf right after its gradient)")
   if timed:
     out.append("- step time: " + _range(timed) + "; a ratio within the spread of repeated "
-               "runs (the README gives it for this machine) is parity, not a gain")
+               "runs (the docs' benchmarks page gives it for a 2-core CPU) is parity, not a gain")
   out += _update_share(rows)
   return [*out, ""]
 
