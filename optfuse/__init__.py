@@ -29,6 +29,8 @@ from optfuse._engines._forward_state import to_optax_state as to_optax_state
 from optfuse._fuse import FusedTransformation as FusedTransformation
 from optfuse._fuse import check_separable as check_separable
 from optfuse._fuse import fuse as fuse
+from optfuse._targets._backends import compiling_for as compiling_for
+from optfuse._targets._registry import target_mesh as target_mesh
 from optfuse._targets._registry import targets as targets
 from optfuse._train_step import train_step as train_step
 

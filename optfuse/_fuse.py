@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,6 +19,7 @@ from optfuse._engines._two_pass import TwoPassEngine
 from optfuse._engines._unfused import OffEngine
 from optfuse._jaxpr import _interpreter
 from optfuse._plan import _make
+from optfuse._targets import _backends
 
 MODES = ("backward", "forward", "off")
 GLOBAL_OPS = (None, "two_pass")
@@ -145,11 +147,22 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
     step = engine.step(loss_fn, has_aux, _checks.check_microbatches(microbatches))
-    return _interpreter.with_shared_scalars(step)
+    return _on_inputs_platform(_interpreter.with_shared_scalars(step))
 
   return FusedTransformation(engine.init, value_and_update,
-                             _interpreter.with_shared_scalars(engine.flush), mode, tx, global_ops,
-                             offload, guard)
+                             _on_inputs_platform(_interpreter.with_shared_scalars(engine.flush)),
+                             mode, tx, global_ops, offload, guard)
+
+
+def _on_inputs_platform(step: Callable) -> Callable:
+  """``step``, traced with the compiler choices of the platform its params are placed on."""
+
+  @functools.wraps(step)
+  def traced(params, *args, **kwargs):
+    with _backends.traced_on(params):
+      return step(params, *args, **kwargs)
+
+  return traced
 
 
 def check_separable(tx: optax.GradientTransformation, params) -> None:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from optfuse._base._checks import abstract
+from optfuse._base._errors import GuardError
 from optfuse._fusion._loops import is_dynamic
 from optfuse._targets import _backends, _inputs
 from optfuse._targets._compiled import DoesNotFit, compile_memory, format_bytes
@@ -59,6 +60,12 @@ def peak(step: Callable, params, state, args: tuple, kwargs: dict, init: Callabl
   params, state = abstract(params), abstract(state)
   dyn = abstract([x for x, d in zip(leaves, dynamic) if d])
   target = _backends.target()
+  if target is None and _backends.platform() != _backends.default_platform():
+    raise GuardError(
+        f"guard=True compiles the step to compare peaks, on the devices it is lowered for, and "
+        f"this step is lowered for {_backends.platform()} devices from a "
+        f"{_backends.default_platform()} machine. Lower it inside "
+        f"optfuse.compiling_for(target) (the target its inputs are placed on).")
   if target is not None:
     params = _inputs.params_on(params, target)
     dyn = _inputs.batch_on(dyn, target)

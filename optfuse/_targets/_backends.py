@@ -19,9 +19,15 @@ from typing import Any
 
 import jax
 
+from optfuse._targets import _registry
+
 # The target a step is being traced for, when it is not this machine's backend. Set only by
 # ``lowering_for``; read at trace time by ``for_platform`` and the memory guard.
 _TARGET: contextvars.ContextVar[Any] = contextvars.ContextVar("optfuse_target", default=None)
+# The platform of the devices the traced inputs are placed on (their avals' meshes), set by
+# ``traced_on`` for the duration of one trace: a step lowered by hand for another platform.
+_INPUTS: contextvars.ContextVar[str | None] = contextvars.ContextVar("optfuse_inputs",
+                                                                     default=None)
 
 # The measurements that chose each entry, with the command that reproduces them, are in the docs'
 # design page (docs/design.md, "Choices made per compiler").
@@ -60,16 +66,47 @@ def lowering_for(target: Any) -> Iterator[None]:
     _TARGET.reset(token)
 
 
+def inputs_platform(tree: Any) -> str | None:
+  """The platform of the devices ``tree``'s traced leaves are placed on, from their avals'
+  meshes (JAX keeps the device kind of a jitted function's inputs in them), or ``None``."""
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.core.Tracer):
+      mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+      name = getattr(getattr(mesh, "abstract_device", None), "platform", None)
+      if name:
+        return "cuda" if name == "gpu" else name
+  return None
+
+
+@contextlib.contextmanager
+def traced_on(tree: Any) -> Iterator[None]:
+  """A step traced inside, on the inputs ``tree``, takes the choices of the platform they are
+  placed on: a step lowered by hand for a TPU from this CPU gets the TPU's."""
+  token = _INPUTS.set(inputs_platform(tree))
+  try:
+    yield
+  finally:
+    _INPUTS.reset(token)
+
+
 def target() -> Any:
   """The resolved target steps are traced for now, or ``None`` (this machine's default
   device)."""
   return _TARGET.get()
 
 
+def default_platform() -> str:
+  """This machine's default backend ("cpu", "tpu", "cuda")."""
+  name = jax.default_backend()
+  return "cuda" if name == "gpu" else name
+
+
 def platform() -> str:
-  """The platform steps are traced for now ("cpu", "tpu", "cuda"; JAX's "gpu" is "cuda")."""
+  """The platform steps are traced for now ("cpu", "tpu", "cuda"; JAX's "gpu" is "cuda"): the
+  target's inside ``lowering_for``, else that of the devices the inputs are placed on, else this
+  machine's backend."""
   current = _TARGET.get()
-  name = current.platform if current is not None else jax.default_backend()
+  name = current.platform if current is not None else _INPUTS.get() or jax.default_backend()
   return "cuda" if name == "gpu" else name
 
 
@@ -83,3 +120,35 @@ def for_platform(table: dict[str, Any]) -> Any:
     The value of the choice for the platform steps are traced for now.
   """
   return table.get(platform(), table["cpu"])
+
+
+@contextlib.contextmanager
+def compiling_for(target: Any) -> Iterator[Any]:
+  """Steps traced inside take the compiler choices of ``target``, however they are lowered.
+
+  A fused step picks a few orderings per compiler (see the docs' design page) when it is traced.
+  It finds the platform from the devices its inputs are placed on, so ``jax.jit(step).lower``
+  on ``jax.ShapeDtypeStruct`` values sharded over a target's devices needs nothing more. Use
+  this context where the inputs carry no such placement, or with ``guard=True``, whose compiles
+  need the target's devices; ``memory_report`` and ``max_batch_size`` use it with their
+  ``target=``.
+
+  Args:
+    target: a name of ``optfuse.targets()`` (``"tpu-v5e"``, ``"tpu-v5e:2x2"``, ``"h100"``...),
+      a ``jax.sharding.Mesh``, a ``TopologyDescription`` or a sequence of devices.
+
+  Yields:
+    The resolved target; its ``devices`` are the compile-only devices to place inputs on.
+
+  Raises:
+    TargetError: an unknown target, or one whose compiler is not installed.
+
+  Examples:
+    >>> import jax, optfuse
+    >>> with optfuse.compiling_for(jax.devices()) as target:
+    ...   target.platform
+    'cpu'
+  """
+  resolved = _registry.resolve(target)
+  with lowering_for(resolved):
+    yield resolved

@@ -27,6 +27,7 @@ import functools
 import glob
 import importlib.resources
 import importlib.util
+import math
 import os
 import pathlib
 import re
@@ -288,6 +289,45 @@ def resolve(target: Any) -> Target | None:
   raise TargetError(f"cannot compile for {target!r}: a target is None, a name of "
                     "optfuse.targets(), a jax Mesh, a TopologyDescription or a sequence of "
                     "devices.")
+
+
+def target_mesh(target: Any, axis_names: Sequence[str] = ("devices",),
+                axis_shape: Sequence[int] | None = None) -> Mesh:
+  """A ``jax.sharding.Mesh`` over a compile target's devices, to build and place a model on.
+
+  Models that take their mesh when they are built (a MaxText-style NNX decoder, Flax
+  ``nnx.with_partitioning`` rules under ``jax.set_mesh``) are built on this mesh before they are
+  planned; inputs sharded over it lower for the target's compiler from this machine.
+
+  Args:
+    target: a name of ``optfuse.targets()`` with its topology (``"tpu-v5e:2x2"``), a
+      ``TopologyDescription``, a ``Mesh`` or a sequence of devices.
+    axis_names: the mesh's axis names.
+    axis_shape: the mesh's shape (its product is the number of devices); by default every
+      device on the last axis, the others of size 1.
+
+  Returns:
+    The mesh, its devices the target's compile-only devices in the target's order.
+
+  Raises:
+    TargetError: an unknown target, a compiler not installed, or a shape that does not hold the
+      target's devices.
+
+  Examples:
+    >>> import jax, optfuse
+    >>> dict(optfuse.target_mesh(jax.devices()[:1], ("data", "model")).shape)
+    {'data': 1, 'model': 1}
+  """
+  resolved = resolve(target)
+  if resolved is None:
+    raise TargetError("target_mesh needs a target, not None.")
+  n = len(resolved.devices)
+  shape = tuple(axis_shape) if axis_shape is not None else (1,) * (len(axis_names) - 1) + (n,)
+  if len(shape) != len(axis_names) or math.prod(shape) != n:
+    raise TargetError(f"a mesh of shape {shape} with axes {tuple(axis_names)} does not hold the "
+                      f"{n} devices of {resolved.name}: give one size per axis, their product "
+                      f"{n}.")
+  return Mesh(np.array(resolved.devices, dtype=object).reshape(shape), tuple(axis_names))
 
 
 def host_memory_bytes() -> int | None:
