@@ -147,15 +147,16 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
     step = engine.step(loss_fn, has_aux, _checks.check_microbatches(microbatches))
-    return _on_inputs_platform(_interpreter.with_shared_scalars(step))
+    return _on_inputs_placement(_interpreter.with_shared_scalars(step))
 
   return FusedTransformation(engine.init, value_and_update,
-                             _on_inputs_platform(_interpreter.with_shared_scalars(engine.flush)),
+                             _on_inputs_placement(_interpreter.with_shared_scalars(engine.flush)),
                              mode, tx, global_ops, offload, guard)
 
 
-def _on_inputs_platform(step: Callable) -> Callable:
-  """``step``, traced with the compiler choices of the platform its params are placed on."""
+def _on_inputs_placement(step: Callable) -> Callable:
+  """``step``, traced with the compiler choices of the platform and the mesh its params are
+  placed on."""
 
   @functools.wraps(step)
   def traced(params, *args, **kwargs):

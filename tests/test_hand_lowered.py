@@ -63,7 +63,7 @@ def test_a_step_lowered_by_hand_for_tpu_v5e_compiles_what_memory_report_compiles
       _memory.lower_step(fx, model.loss, params, batch, target=target).compile())["peak_bytes"]
   assert _hand_lowered_peak(fx, model, target.mesh) == report
   # Without the platform read from the inputs, the same lowering takes this machine's choices.
-  monkeypatch.setattr(_backends, "inputs_platform", lambda tree: None)
+  monkeypatch.setattr(_backends, "inputs_placement", lambda tree: _backends.Placement(None, None))
   assert _hand_lowered_peak(fx, model, target.mesh) != report
 
 

@@ -97,6 +97,8 @@ class FitReport(Mapping):
     budget_source: where the budget comes from ("given", or the target's memory).
     target: the compile target's name ("cpu" for this machine's default backend).
     microbatches: the number of microbatches per step (batches are multiples of it), or ``None``.
+    multiple: the batches searched are multiples of it: the microbatches times the devices the
+      batch is split over.
     peaks: mode -> {batch: compiled peak bytes} for every batch the search compiled.
     does_not_fit: mode -> {batch: the compiler's ``DoesNotFit``} for every batch the compiler
       refused for want of memory (those batches are absent from ``peaks``).
@@ -107,7 +109,8 @@ class FitReport(Mapping):
                unavailable: Mapping[str, str], budget_bytes: int,
                microbatches: int | None = None, *,
                does_not_fit: Mapping[str, Mapping[int, _memory.DoesNotFit]] | None = None,
-               target: str | None = None, budget_source: str = "given"):
+               target: str | None = None, budget_source: str = "given",
+               multiple: int | None = None):
     self._batches = dict(batches)
     self.peaks = {mode: dict(sorted(p.items())) for mode, p in peaks.items()}
     self.does_not_fit = {mode: dict(sorted(r.items())) for mode, r in (does_not_fit or {}).items()
@@ -117,6 +120,7 @@ class FitReport(Mapping):
     self.budget_source = budget_source
     self.target = target
     self.microbatches = microbatches
+    self.multiple = multiple or microbatches or 1
 
   def __getitem__(self, mode: str) -> int:
     return self._batches[mode]
@@ -129,7 +133,7 @@ class FitReport(Mapping):
 
   def next_batch(self, mode: str) -> int:
     """The smallest batch larger than ``self[mode]`` that the search tried: it does not fit."""
-    return self._batches[mode] + (self.microbatches or 1)
+    return self._batches[mode] + self.multiple
 
   def table(self) -> str:
     """The report as a fixed-width text table, one line per mode."""
@@ -148,6 +152,8 @@ class FitReport(Mapping):
       title += f" per device on {self.target} ({self.budget_source})"
     if self.microbatches:
       title += f", in multiples of {self.microbatches} microbatches"
+    if self.multiple != (self.microbatches or 1):
+      title += f", in multiples of {self.multiple} (the batch split over the devices)"
     return "\n".join([title, *_memory.mode_table(header, rows, self.unavailable)])
 
   def __str__(self) -> str:
@@ -294,8 +300,9 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
       memory (``report.budget_source`` says which).
     target: the compiler to compile for, as in ``optfuse.memory_report``: ``None`` (this
       machine), a name of ``optfuse.targets()`` ("tpu-v5e", "h100"...), a ``Mesh``, a
-      ``TopologyDescription`` or a sequence of devices. On several devices the batch is split
-      over them (data parallel), so ``b`` is the global batch.
+      ``TopologyDescription`` or a sequence of devices. On a target of several devices the
+      batch is split over them (data parallel): ``b`` is the global batch, and only multiples
+      of the device count are searched (a batch that does not split would run replicated).
     modes: the modes to search, by default "off", "backward" and "forward".
     global_ops: passed to ``optfuse.fuse`` (``"two_pass"`` lets backward mode run clipping).
     offload: passed to ``optfuse.fuse``: ``"state"`` searches the steps whose optimizer state
@@ -337,7 +344,8 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   """
   resolved = _registry.resolve(target)
   budget, source = resolve_budget(budget_bytes, resolved)
-  unit = _checks.check_microbatches(microbatches)
+  unit = _checks.check_microbatches(microbatches) * (1 if resolved is None else
+                                                     len(resolved.devices))
   modes = (modes,) if isinstance(modes, str) else tuple(_memory.MODES if modes is None else modes)
   fused = lambda mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops, offload=offload)
   if _args_bytes(_as_args(args_for(2 * unit))) <= _args_bytes(_as_args(args_for(unit))):
@@ -374,4 +382,4 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     bar.close()
   name = _memory.target_budget(resolved)[0]
   return FitReport(batches, peaks, unavailable, budget, microbatches, does_not_fit=refused,
-                   target=name, budget_source=source)
+                   target=name, budget_source=source, multiple=unit)

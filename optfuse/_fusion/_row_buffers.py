@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from optfuse._base._memory_spaces import is_host, like, to_device
-from optfuse._targets._backends import STORED_LAYOUTS, STREAMED_PREFETCH, for_platform
+from optfuse._targets._backends import STORED_LAYOUTS, STREAMED_PREFETCH, device_count, for_platform
 
 
 def row_at(x, index, axis: int = 0):
@@ -53,9 +53,10 @@ def write_row(buf, row, index, axis: int = 0):
 def write_param_row(buf, row, index, axis: int = 0):
   """``write_row`` for a param stack: the new stack keeps the row-major layout the step's
   arguments have, where the compiler would relayout a loop-carried stack whole
-  (``_backends.STORED_LAYOUTS``)."""
+  (``_backends.STORED_LAYOUTS``). On one device only: the SPMD partitioner does not partition
+  the constraint (a custom call), and all-gathers a sharded stack into it every iteration."""
   out = write_row(buf, row, index, axis)
-  if out.ndim < 2 or is_host(out) or not for_platform(STORED_LAYOUTS):
+  if out.ndim < 2 or is_host(out) or not for_platform(STORED_LAYOUTS) or not ordered():
     return out
   return with_layout_constraint(out, Layout(tuple(range(out.ndim))))
 
@@ -125,7 +126,7 @@ def ordered() -> bool:
   unordered: TPU v5e, the 1.3B decoder at 12 layers 9.83 / 10.58 GB; H100, 24 layers 17.42 /
   17.69 GB).
   """
-  return jax.device_count() == 1
+  return device_count() == 1
 
 
 def write_stack_rereading(stack: Stack, param_row, slot_fn: Callable, index) -> Stack:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -24,10 +24,9 @@ from optfuse._targets import _registry
 # The target a step is being traced for, when it is not this machine's backend. Set only by
 # ``lowering_for``; read at trace time by ``for_platform`` and the memory guard.
 _TARGET: contextvars.ContextVar[Any] = contextvars.ContextVar("optfuse_target", default=None)
-# The platform of the devices the traced inputs are placed on (their avals' meshes), set by
-# ``traced_on`` for the duration of one trace: a step lowered by hand for another platform.
-_INPUTS: contextvars.ContextVar[str | None] = contextvars.ContextVar("optfuse_inputs",
-                                                                     default=None)
+# Where the traced inputs are placed (``Placement``: their avals' meshes), set by ``traced_on``
+# for the duration of one trace: a step lowered by hand for another platform or mesh.
+_INPUTS: contextvars.ContextVar[Any] = contextvars.ContextVar("optfuse_inputs", default=None)
 
 # The measurements that chose each entry, with the command that reproduces them, are in the docs'
 # design page (docs/design.md, "Choices made per compiler").
@@ -66,23 +65,35 @@ def lowering_for(target: Any) -> Iterator[None]:
     _TARGET.reset(token)
 
 
-def inputs_platform(tree: Any) -> str | None:
-  """The platform of the devices ``tree``'s traced leaves are placed on, from their avals'
-  meshes (JAX keeps the device kind of a jitted function's inputs in them), or ``None``."""
+class Placement(NamedTuple):
+  """Where a step's traced inputs are placed: their devices' platform and how many devices
+  their mesh spans."""
+
+  platform: str | None
+  devices: int | None
+
+
+def inputs_placement(tree: Any) -> Placement:
+  """The platform and the device count of the mesh ``tree``'s traced leaves are placed on, from
+  their avals' meshes (JAX keeps the device kind and the mesh shape of a jitted function's
+  inputs in them); ``None``s where no leaf says."""
+  platform, devices = None, None
   for leaf in jax.tree.leaves(tree):
     if isinstance(leaf, jax.core.Tracer):
       mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
       name = getattr(getattr(mesh, "abstract_device", None), "platform", None)
-      if name:
-        return "cuda" if name == "gpu" else name
-  return None
+      platform = platform or ("cuda" if name == "gpu" else name)
+      size = getattr(mesh, "size", 0) if getattr(mesh, "axis_names", ()) else 0
+      devices = max(devices or 0, size) or devices
+  return Placement(platform, devices)
 
 
 @contextlib.contextmanager
 def traced_on(tree: Any) -> Iterator[None]:
   """A step traced inside, on the inputs ``tree``, takes the choices of the platform they are
-  placed on: a step lowered by hand for a TPU from this CPU gets the TPU's."""
-  token = _INPUTS.set(inputs_platform(tree))
+  placed on (a step lowered by hand for a TPU from this CPU gets the TPU's) and of the number
+  of devices their mesh spans."""
+  token = _INPUTS.set(inputs_placement(tree))
   try:
     yield
   finally:
@@ -106,8 +117,20 @@ def platform() -> str:
   target's inside ``lowering_for``, else that of the devices the inputs are placed on, else this
   machine's backend."""
   current = _TARGET.get()
-  name = current.platform if current is not None else _INPUTS.get() or jax.default_backend()
+  placed = _INPUTS.get()
+  name = (current.platform if current is not None else placed and placed.platform
+          or jax.default_backend())
   return "cuda" if name == "gpu" else name
+
+
+def device_count() -> int:
+  """The number of devices steps are traced for now: the target's inside ``lowering_for``,
+  else that of the mesh the inputs are placed on, else this machine's."""
+  current = _TARGET.get()
+  if current is not None:
+    return len(current.devices)
+  placed = _INPUTS.get()
+  return placed and placed.devices or jax.device_count()
 
 
 def for_platform(table: dict[str, Any]) -> Any:

@@ -2,10 +2,11 @@
 
 A compile-only device has no memory to put an array in, so a step compiled for a target is
 lowered from ``jax.ShapeDtypeStruct`` values that carry a sharding on the target's devices. By
-default the step is data parallel: params and optimizer state replicated on every device, each
-argument split along its leading axis over all devices (replicated when that axis does not
-divide). A leaf that already carries a ``NamedSharding`` on exactly the target's devices keeps
-it, so an FSDP layout given on a target's mesh is compiled as given.
+default the step is data parallel: params replicated on every device, each argument split along
+its leading axis over all devices (replicated when that axis does not divide). A leaf that
+already carries a ``NamedSharding`` on exactly the target's devices keeps it, so an FSDP layout
+given on a target's mesh is compiled as given; the optimizer state is laid out from the params
+as ``init`` lays it out (``state_on``: sharded with them under FSDP).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from optfuse._base._memory_spaces import offloaded
 from optfuse._targets._registry import Target
@@ -66,21 +67,71 @@ def batch_on(tree: Any, target: Target) -> Any:
   return jax.tree.map(place, tree)
 
 
-def state_on(init: Callable[[Any], Any], params: Any, target: Target) -> Any:
-  """The state ``init(params)`` builds, laid out as the compiler propagates it from ``params``.
+def _one_mesh(shardings: list[NamedSharding], target: Target) -> Mesh | None:
+  """The mesh every sharded leaf of ``shardings`` is on (the target's when all are replicated),
+  or ``None`` when they are on several."""
+  meshes = {s.mesh for s in shardings if any(a is not None for a in s.spec)}
+  if len(meshes) > 1:
+    return None
+  return meshes.pop() if meshes else target.mesh
 
-  ``jax.eval_shape`` keeps no shardings, so ``init`` is compiled (it is cheap: zeros) and its
-  output shardings read back: state like a param is sharded like it; what depends on no param
-  (the step count) is replicated on the target, where JAX would have put it on its default
-  device.
-  """
-  shapes = jax.eval_shape(init, params)
-  shardings = jax.jit(init).lower(params).compile().output_shardings
-  rep, devices = replicated(target), set(target.devices)
+
+def _explicit(mesh: Mesh) -> Mesh:
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * mesh.ndim)
+
+
+def _layout_in_types(init: Callable[[Any], Any], params: Any, mesh: Mesh) -> Any:
+  """``init``'s output specs, traced with ``params``' shardings in their types: ``zeros_like``
+  of a sharded param is sharded like it, as ``init`` on placed arrays makes it eagerly."""
+  explicit = _explicit(mesh)
+  typed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(explicit, x.sharding.spec)), params)
+  with jax.set_mesh(explicit):
+    shapes = jax.eval_shape(init, typed)
   return jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(
-          s.shape, s.dtype, sharding=sh if set(sh.device_set) <= devices else rep),
-      shapes, shardings)
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
+          mesh, getattr(s.sharding, "spec", None) or PartitionSpec())), shapes)
+
+
+def _layout_by_shape(init: Callable[[Any], Any], params: Any, target: Target) -> Any:
+  """``init``'s output, a leaf with the shape of params that all have one sharding sharded like
+  them, any other leaf replicated (for an ``init`` that cannot be traced with shardings in its
+  types)."""
+  by_shape: dict[tuple, set] = {}
+  for p in jax.tree.leaves(params):
+    by_shape.setdefault(tuple(p.shape), set()).add(p.sharding)
+  rep = replicated(target)
+  return jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=(
+          next(iter(by_shape[s.shape])) if len(by_shape.get(s.shape, ())) == 1 else rep)),
+      jax.eval_shape(init, params))
+
+
+def state_on(init: Callable[[Any], Any], params: Any, target: Target) -> Any:
+  """The state ``init(params)`` builds, laid out as ``init`` on ``params`` placed as given lays
+  it out: a slot like a param sharded like it (FSDP state sharded with its params, as optax's
+  ``zeros_like`` keeps a placed array's sharding), what depends on no param (the step count)
+  replicated.
+
+  ``jax.jit(init)`` would not do: zeros depend on no input, and XLA puts them on one device.
+  So ``init`` is traced with the params' shardings in their types (on an Explicit copy of
+  their mesh); an ``init`` that cannot be traced so is laid out by shape (``_layout_by_shape``).
+
+  Args:
+    init: the optimizer's ``init``.
+    params: ``jax.ShapeDtypeStruct`` values placed on ``target`` (``params_on``).
+    target: the compile target.
+
+  Returns:
+    ``jax.ShapeDtypeStruct`` values of the state with ``NamedSharding``s on ``target``'s devices.
+  """
+  mesh = _one_mesh([p.sharding for p in jax.tree.leaves(params)], target)
+  if mesh is not None:
+    try:
+      return _layout_in_types(init, params, mesh)
+    except Exception:  # noqa: BLE001 - an init whose ops Explicit sharding rejects
+      pass
+  return _layout_by_shape(init, params, target)
 
 
 def _host_memory_kinds(target: Target | None) -> bool:

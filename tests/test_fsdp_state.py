@@ -1,0 +1,132 @@
+"""Several chips under FSDP: the tools plan the optimizer state sharded like its params.
+
+An FSDP user's state is sharded with the params: ``tx.init`` on placed arrays keeps each param's
+sharding (``zeros_like``), and MaxText-style code shards it with ``optax.tree_map_params``. The
+tools lay out the state they compile the same way (``_inputs.state_on``), so a report for a TPU
+v5e 2x2 mesh is the peak of the step the user runs, not of one with the state replicated.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optfuse
+from optfuse._analysis import _memory
+from optfuse._targets import _inputs, _registry
+from optfuse.bench import _fsdp, _models
+from optfuse.bench._models import DecoderConfig
+
+needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
+                               reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
+
+# Wide enough that the state (8 bytes a param) is most of each device's memory, so a state
+# planned replicated is far from one sharded four ways.
+CONFIG = DecoderConfig(layers=4, dim=256, heads=4, ff=1024, vocab=1024, seq=128, batch=4)
+
+
+def _sharded(tree, mesh):
+  """Each leaf sharded along its largest axis the mesh divides (never a stacked layer axis)."""
+  def place(path, x):
+    axis = _fsdp.shard_axis(x.shape, "layers" in jax.tree_util.keystr(path), mesh.size)
+    spec = [None] * x.ndim
+    if axis is not None:
+      spec[axis] = "fsdp"
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+  return jax.tree_util.tree_map_with_path(place, tree)
+
+
+@pytest.fixture(scope="module")
+def decoder():
+  mesh = optfuse.target_mesh("tpu-v5e:2x2", ("fsdp",))
+  model = _models.decoder(CONFIG, scanned=True, remat=True)
+  params = _sharded(_models.abstract(model.params), mesh)
+  batch = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=NamedSharding(mesh, P("fsdp")))
+                for b in _models.abstract(model.batch))
+  return mesh, model, params, batch
+
+
+def _users_optax_peak(mesh, loss, tx, params, batch, state_like_params: bool) -> int:
+  """The per-device peak of the optax step an FSDP user lowers by hand."""
+  def step(params, state, *batch):
+    value, grads = jax.value_and_grad(loss)(params, *batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  rep = NamedSharding(mesh, P())
+  struct = lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+  abstract = jax.eval_shape(tx.init, params)
+  if state_like_params:
+    state = optax.tree_utils.tree_map_params(tx, lambda s, p: struct(s, p.sharding), abstract,
+                                             params, transform_non_params=lambda s: struct(s, rep))
+  else:
+    state = jax.tree.map(lambda s: struct(s, rep), abstract)
+  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *batch)
+  return _memory.compile_memory(lowered)["peak_bytes"]
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_the_report_on_an_fsdp_mesh_is_the_peak_of_the_users_step_with_state_sharded(decoder):
+  mesh, model, params, batch = decoder
+  tx = optax.adamw(1e-3)
+  report = optfuse.memory_report(model.loss, tx, params, *batch, target=mesh)
+  sharded = _users_optax_peak(mesh, model.loss, tx, params, batch, state_like_params=True)
+  replicated = _users_optax_peak(mesh, model.loss, tx, params, batch, state_like_params=False)
+  # The same program compiled by the same compiler: equal, not merely close.
+  assert report["off"]["peak_bytes"] == sharded
+  assert replicated > 2 * sharded  # what planning the state replicated used to report
+  assert report["backward"]["peak_bytes"] <= report["off"]["peak_bytes"]
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_max_batch_size_on_an_fsdp_mesh_searches_the_step_with_state_sharded(decoder):
+  mesh, model, params, batch = decoder
+  tx = optax.adamw(1e-3)
+  # Unplaced: each batch is split over the devices where its size divides (``_inputs.batch_on``).
+  args_for = lambda b: tuple(jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype) for x in batch)
+  report = optfuse.memory_report(model.loss, tx, params, *args_for(8), target=mesh)
+  # The budget is the peak at batch 8, which fits it exactly; batch 12 does not.
+  fit = optfuse.max_batch_size(model.loss, tx, params, args_for, report["off"]["peak_bytes"],
+                               target=mesh, modes=("off",), progress=False)
+  assert fit["off"] == 8 and fit.peaks["off"][8] == report["off"]["peak_bytes"]
+  # Only batches that split over the four devices are searched: a data-parallel step.
+  assert fit.next_batch("off") == 12 and all(b % 4 == 0 for b in fit.peaks["off"])
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_offloaded_state_on_an_fsdp_mesh_is_sharded_in_host_memory(decoder):
+  mesh, model, params, batch = decoder
+  tx = optax.adamw(1e-3)
+  fx = optfuse.fuse(tx, mode="backward", offload="state")
+  lowered = _memory.lower_step(fx, model.loss, params, batch, target=_registry.resolve(mesh))
+  shapes = jax.tree.leaves(lowered.args_info[0][1])
+  shardings = jax.tree.leaves(lowered.compile().input_shardings[0][1])
+  slots = [(s.shape, sh) for s, sh in zip(shapes, shardings, strict=True) if s.shape]
+  assert slots and all(sh.memory_kind == "pinned_host" for _, sh in slots)
+  by_shape = {p.shape: p.sharding.spec for p in jax.tree.leaves(params)}
+  assert all(sh.spec == by_shape[shape] for shape, sh in slots)
+  report = optfuse.memory_report(model.loss, tx, params, *batch, target=mesh, offload="state")
+  state_bytes = 2 * 4 * _models._num_params(model.params)
+  # Host memory per device is this device's quarter of the state, not the whole state.
+  assert report["backward"]["host_bytes"] < 0.5 * state_bytes
+
+
+@needs_tpu
+def test_an_init_that_explicit_sharding_rejects_is_laid_out_by_shape():
+  mesh = optfuse.target_mesh("tpu-v5e:2x2", ("fsdp",))
+  resolved = _registry.resolve(mesh)
+  params = {"w": jax.ShapeDtypeStruct((8, 16), jnp.float32,
+                                      sharding=NamedSharding(mesh, P("fsdp", None)))}
+
+  def init(p):  # a reshape Explicit sharding cannot type: the fallback lays it out by shape
+    return {"mu": jax.tree.map(jnp.zeros_like, p), "flat": p["w"].reshape(4, 32)}
+
+  state = _inputs.state_on(init, params, resolved)
+  assert state["mu"]["w"].sharding.spec == P("fsdp", None)
+  assert state["flat"].sharding.spec == P()
