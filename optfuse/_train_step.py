@@ -13,12 +13,15 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from optfuse._fuse import fuse
+from optfuse._base import _memory_spaces
+from optfuse._base._errors import OffloadError
+from optfuse._fuse import MODES, fuse
 
 
 def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
                mode: str | None = None, global_ops: str | None = None,
-               microbatches: int | None = None, guard: bool = False) -> Callable:
+               microbatches: int | None = None, guard: bool = False,
+               offload: str | None = None) -> Callable:
   """Turns ``loss_fn(params, *args)`` into ``step(state, *args) -> (value, state)``.
 
   ``step(state, *args)`` does what ``jax.value_and_grad(loss_fn)(state.params, *args)`` followed
@@ -42,6 +45,12 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
       whose mean gradient makes one update; the value is their mean loss.
     guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
       ``optfuse.fuse``); an ``optfuse.linen.TrainState`` uses its own ``guard``.
+    offload: ``"state"``: the slots of ``state.opt_state`` live in ``pinned_host`` memory and
+      are streamed through the step (see ``optfuse.fuse``). By default the state's own
+      ``offload`` for an ``optfuse.linen.TrainState`` (create it with ``offload="state"``),
+      else ``None``. A plain Flax ``TrainState`` needs its ``opt_state`` moved there once, out
+      of ``jit``: ``state.replace(opt_state=optfuse.from_optax_state(optfuse.fuse(state.tx,
+      offload="state"), state.params, state.opt_state))``.
 
   Returns:
     ``step(state, *args, **kwargs) -> (value, state)``: the loss (or ``(loss, aux)``) at the old
@@ -50,6 +59,9 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
 
   Raises:
     ValueError: ``mode`` or ``global_ops`` contradicts that of an ``optfuse.linen.TrainState``.
+    OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with ``global_ops``
+      (when ``train_step`` is called); or it contradicts the ``offload`` of an
+      ``optfuse.linen.TrainState``, or the state's slots are in device memory (at the step).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -65,32 +77,49 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
   """
   if loss_fn is None:
     return functools.partial(train_step, has_aux=has_aux, mode=mode, global_ops=global_ops,
-                             microbatches=microbatches, guard=guard)
+                             microbatches=microbatches, guard=guard, offload=offload)
+  if mode is None or mode in MODES:  # an unknown mode is fuse's UnknownModeError, at the step
+    _memory_spaces.check_offload(offload, mode or "backward", global_ops)
   fused_by_tx: dict = {}
 
   @functools.wraps(loss_fn)
   def step(state, *args, **kwargs) -> tuple[Any, Any]:
-    own_mode = getattr(state, "mode", None)
-    if hasattr(state, "value_and_update") and own_mode is not None:
-      if mode is not None and mode != own_mode:
-        raise ValueError(
-            f"train_step was given mode={mode!r} but the state was created with "
-            f"mode={own_mode!r}, and its opt_state has that mode's layout. Drop the mode "
-            "argument or create the state with the mode you want.")
-      own_global_ops = getattr(state, "global_ops", None)
-      if global_ops is not None and global_ops != own_global_ops:
-        raise ValueError(
-            f"train_step was given global_ops={global_ops!r} but the state was created with "
-            f"global_ops={own_global_ops!r}. Drop the global_ops argument or create the state "
-            "with the global_ops you want.")
+    if hasattr(state, "value_and_update") and getattr(state, "mode", None) is not None:
+      _check_agrees_with_state(state, mode=mode, global_ops=global_ops, offload=offload)
       return state.value_and_update(loss_fn, *args, has_aux=has_aux,
                                     microbatches=microbatches, **kwargs)
-    key = (state.tx, mode or "backward", global_ops)
+    key = (state.tx, mode or "backward", global_ops, offload)
     if key not in fused_by_tx:
       fused_by_tx[key] = fuse(*key, guard=guard)
+    if offload is not None:
+      _check_slots_on_host(state.opt_state)
     update = fused_by_tx[key].value_and_update(loss_fn, has_aux=has_aux,
                                                microbatches=microbatches)
     value, params, opt_state = update(state.params, state.opt_state, *args, **kwargs)
     return value, state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
   return step
+
+
+def _check_agrees_with_state(state, **given) -> None:
+  """Raises unless each argument of ``train_step`` given is the one ``state`` was created with:
+  its ``opt_state`` has that mode's layout and that offload's placement."""
+  for name, value in given.items():
+    own = getattr(state, name, None)
+    if value is not None and value != own:
+      error = OffloadError if name == "offload" else ValueError
+      raise error(
+          f"train_step was given {name}={value!r} but the state was created with "
+          f"{name}={own!r}, and its opt_state was built for it. Drop the {name} argument or "
+          f"create the state with the {name} you want.")
+
+
+def _check_slots_on_host(opt_state) -> None:
+  try:
+    _memory_spaces.check_on_host(opt_state)
+  except OffloadError as e:
+    raise OffloadError(
+        f"{e} With optfuse.train_step(offload='state') on a flax TrainState, move its opt_state "
+        "to the host once, outside jit: state.replace(opt_state=optfuse.from_optax_state("
+        "optfuse.fuse(state.tx, offload='state'), state.params, state.opt_state)), or create "
+        "the state with optfuse.linen.TrainState.create(..., offload='state').") from None

@@ -10,7 +10,8 @@ fields (the fusion ``mode`` and the cached fused transformation) and one more me
 
 Everything else is Flax's: ``opt_state`` keeps optax's layout (in "backward" and "off" mode),
 ``apply_gradients`` and ``replace`` work, and the class can be subclassed to carry more fields
-(``batch_stats``...) exactly like Flax's.
+(``batch_stats``...) exactly like Flax's. With ``offload="state"`` the slots of ``opt_state``
+live in host memory, where ``create`` puts them and every step leaves them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flax import struct
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from optfuse._base import _memory_spaces
 from optfuse._base._errors import ParamsStructureError
 from optfuse._fuse import FusedTransformation, fuse
 
@@ -41,10 +43,11 @@ class TrainState(train_state.TrainState):
     global_ops: ``None`` or ``"two_pass"`` (see ``optfuse.fuse``; static).
     guard: whether backward mode keeps only the loops that lower the compiled peak (see
       ``optfuse.fuse``; static).
-    fused: the ``optfuse.fuse(tx, mode, global_ops, guard=guard)`` transformation, built once by
-      ``create``
-      and carried
-      along by ``replace`` so that its update plans are cached across steps.
+    offload: ``None`` or ``"state"``: the slots of ``opt_state`` (Adam's ``mu`` and ``nu``) in
+      ``pinned_host`` memory, streamed through the fused step (see ``optfuse.fuse``; static).
+    fused: the ``optfuse.fuse(tx, mode, global_ops, offload, guard)`` transformation, built
+      once by ``create`` and carried along by ``replace`` so that its update plans are cached
+      across steps.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse.linen
@@ -59,19 +62,31 @@ class TrainState(train_state.TrainState):
     >>> loss, state = jax.jit(lambda s, x, y: s.value_and_update(loss_fn, x, y))(state, x, y)
     >>> int(state.step)
     1
+
+    With the optimizer state in host memory:
+
+    >>> state = optfuse.linen.TrainState.create(
+    ...     apply_fn=model.apply, params=params, tx=optax.adam(1e-3), offload="state")
+    >>> state.opt_state[0].mu["kernel"].sharding.memory_kind
+    'pinned_host'
+    >>> step = jax.jit(lambda s, x, y: s.value_and_update(loss_fn, x, y), donate_argnums=0)
+    >>> loss, state = step(state, x, y)
+    >>> state.opt_state[0].mu["kernel"].sharding.memory_kind
+    'pinned_host'
   """
 
   mode: str = struct.field(pytree_node=False, default="backward", kw_only=True)
   global_ops: str | None = struct.field(pytree_node=False, default=None, kw_only=True)
   guard: bool = struct.field(pytree_node=False, default=False, kw_only=True)
+  offload: str | None = struct.field(pytree_node=False, default=None, kw_only=True)
   fused: FusedTransformation | None = struct.field(
       pytree_node=False, default=None, kw_only=True, repr=False)
 
   @classmethod
   def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation,
              mode: str = "backward", global_ops: str | None = None, guard: bool = False,
-             **kwargs) -> TrainState:
-    """A new state with ``step=0`` and ``opt_state = optfuse.fuse(tx, mode).init(params)``.
+             offload: str | None = None, **kwargs) -> TrainState:
+    """A new state with ``step=0`` and ``opt_state = optfuse.fuse(tx, mode, ...).init(params)``.
 
     Args:
       apply_fn: usually ``model.apply``.
@@ -82,6 +97,9 @@ class TrainState(train_state.TrainState):
         ``clip_by_global_norm`` (see ``optfuse.fuse``).
       guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
         ``optfuse.fuse``).
+      offload: ``"state"`` creates ``opt_state`` with its slots in ``pinned_host`` memory,
+        where the fused step streams them from and leaves them (``fuse``'s ``init`` placement);
+        not with ``global_ops``. ``None`` (default): on the device.
       **kwargs: the other fields of a subclass (``batch_stats=...``).
 
     Returns:
@@ -89,6 +107,8 @@ class TrainState(train_state.TrainState):
 
     Raises:
       UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
+      OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with
+        ``global_ops``.
       GuardError: ``guard`` is ``True`` outside backward mode.
       ParamsStructureError: ``params`` holds fp8 overwrite-with-gradient params, which are not
         trained by ``tx`` and cannot be fused.
@@ -98,15 +118,37 @@ class TrainState(train_state.TrainState):
           f"params hold a {OVERWRITE_WITH_GRADIENT!r} collection (fp8 training); its values are "
           "overwritten by their gradients, not trained by tx, so optfuse cannot fuse them. Use "
           "flax.training.train_state.TrainState for fp8 training.")
-    fused = fuse(tx, mode, global_ops, guard=guard)
+    fused = fuse(tx, mode, global_ops, offload, guard)
     return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=fused.init(params),
-               mode=mode, global_ops=global_ops, guard=guard, fused=fused, **kwargs)
+               mode=mode, global_ops=global_ops, guard=guard, offload=offload, fused=fused,
+               **kwargs)
 
   def _fused(self) -> FusedTransformation:
     if (self.fused is not None and self.fused.tx is self.tx and self.fused.mode == self.mode
-        and self.fused.global_ops == self.global_ops and self.fused.guard == self.guard):
+        and self.fused.global_ops == self.global_ops and self.fused.guard == self.guard
+        and self.fused.offload == self.offload):
       return self.fused
-    return fuse(self.tx, self.mode, self.global_ops, guard=self.guard)
+    return fuse(self.tx, self.mode, self.global_ops, self.offload, self.guard)
+
+  def apply_gradients(self, *, grads, **kwargs) -> TrainState:
+    """Flax's ``apply_gradients``: optax's update of ``params`` and ``opt_state`` by ``grads``.
+
+    With ``offload="state"`` the slots are fetched whole to the device for optax's update and
+    the new ones written back to host memory (``mode="off"``'s step), since JAX computes on
+    device arrays only.
+
+    Args:
+      grads: gradients with the structure of ``params``.
+      **kwargs: other fields to ``replace``.
+
+    Returns:
+      The state with ``step + 1`` and the updated ``params`` and ``opt_state``.
+    """
+    if self.offload is None:
+      return super().apply_gradients(grads=grads, **kwargs)
+    on_device = self.replace(opt_state=_memory_spaces.tree_to_device(self.opt_state))
+    new = super(TrainState, on_device).apply_gradients(grads=grads, **kwargs)
+    return new.replace(opt_state=_memory_spaces.tree_like(new.opt_state, self.opt_state))
 
   def value_and_update(self, loss_fn: Callable, *args, has_aux: bool = False,
                        microbatches: int | None = None, **kwargs) -> tuple[Any, TrainState]:

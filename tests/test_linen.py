@@ -120,7 +120,7 @@ def _setup(case: str):
 
 
 def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS,
-           guard: bool = False):
+           guard: bool = False, offload: str | None = None, jit: bool = True):
   model, params, batch_stats, batch, loss_fn = _setup(case)
   tx = optax.adamw(1e-2, weight_decay=1e-2)
   if variant == "flax":
@@ -134,23 +134,25 @@ def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS,
       return state.replace(batch_stats=stats), loss
   elif variant == "train_state":
     state = FusedState.create(apply_fn=model.apply, params=params, tx=tx, mode=mode,
-                              guard=guard, batch_stats=batch_stats)
-
-    def train_step(state, batch):
-      key = jax.random.fold_in(DROPOUT_KEY, state.step)
-      (loss, stats), state = state.value_and_update(loss_fn, state.batch_stats, batch, key,
-                                                    has_aux=True)
-      return state.replace(batch_stats=stats), loss
+                              guard=guard, offload=offload, batch_stats=batch_stats)
+    train_step = _fused_train_step(loss_fn)
   else:
     state = FlaxState.create(apply_fn=model.apply, params=params, tx=tx, batch_stats=batch_stats)
-    fused_step = optfuse._train_step.train_step(loss_fn, has_aux=True, mode=mode, guard=guard)
+    if offload is not None:  # a Flax state's opt_state moves to the host once, before training
+      state = state.replace(opt_state=optfuse.from_optax_state(
+          optfuse.fuse(tx, mode, offload=offload), state.params, state.opt_state))
+    fused_step = optfuse._train_step.train_step(loss_fn, has_aux=True, mode=mode, guard=guard,
+                                                offload=offload)
 
     def train_step(state, batch):
       key = jax.random.fold_in(DROPOUT_KEY, state.step)
       (loss, stats), state = fused_step(state, state.batch_stats, batch, key)
       return state.replace(batch_stats=stats), loss
 
-  train_step = jax.jit(train_step)
+  if jit:
+    # With offloaded state, donated as a training loop donates it: the new host slots may reuse
+    # the old ones' buffers.
+    train_step = jax.jit(train_step, donate_argnums=0 if offload else ())
   losses = []
   for _ in range(steps):
     state, loss = train_step(state, batch)
@@ -161,14 +163,27 @@ def _train(case: str, variant: str, mode: str = "backward", steps: int = STEPS,
   return np.asarray(losses), state
 
 
+def _fused_train_step(loss_fn):
+  """The step of an ``optfuse.linen.TrainState`` (``FusedState``): loss, new batch stats."""
+
+  def train_step(state, batch):
+    key = jax.random.fold_in(DROPOUT_KEY, state.step)
+    (loss, stats), state = state.value_and_update(loss_fn, state.batch_stats, batch, key,
+                                                  has_aux=True)
+    return state.replace(batch_stats=stats), loss
+
+  return train_step
+
+
 @functools.cache
-def _reference(case: str):
-  return _train(case, "flax")
+def _reference(case: str, steps: int = STEPS):
+  return _train(case, "flax", steps=steps)
 
 
 def _trained(state) -> dict:
-  return {"params": state.params, "batch_stats": state.batch_stats,
-          "opt_state": state.opt_state, "step": state.step}
+  """What training changes, as NumPy arrays (host-resident slots included)."""
+  return jax.tree.map(np.asarray, {"params": state.params, "batch_stats": state.batch_stats,
+                                   "opt_state": state.opt_state, "step": state.step})
 
 
 # float32, the same operations as the reference but compiled into different XLA fusions: results
@@ -321,3 +336,166 @@ def test_train_step_refuses_global_ops_that_contradict_the_state():
   state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
   with pytest.raises(ValueError, match="global_ops"):
     optfuse.train_step(loss, global_ops="two_pass")(state, *batches[0])
+
+
+def _slot_memory_kinds(opt_state) -> set:
+  """The memory kinds of the slots (float leaves with an axis) of an optax state."""
+  return {x.sharding.memory_kind for x in jax.tree.leaves(opt_state) if x.ndim}
+
+
+# Offloaded state: every model in backward and forward mode (forward compared after ``flush``,
+# which leaves the slots in host memory too), ``optfuse.train_step`` on a Flax state whose
+# opt_state was moved to the host, and mode="off" (optax's update on the state fetched whole).
+OFFLOAD_STEPS = 30
+OFFLOAD_RUNS = [(case, "train_state", mode) for case in CASES for mode in ("backward", "forward")]
+OFFLOAD_RUNS += [(case, "decorator", "backward") for case in CASES]
+OFFLOAD_RUNS += [("conv_batchnorm_dropout", "train_state", "off")]
+
+
+@pytest.mark.parametrize(("case", "variant", "mode"), OFFLOAD_RUNS)
+def test_offloaded_state_follows_flax_apply_gradients_over_30_jitted_donated_steps(
+    case, variant, mode):
+  ref_losses, ref_state = _reference(case, OFFLOAD_STEPS)
+  losses, state = _train(case, variant, mode, steps=OFFLOAD_STEPS, offload="state")
+  assert _slot_memory_kinds(state.opt_state) == {"pinned_host"}
+  # Moving slots to the host and back is exact: the tolerance of the device-resident runs.
+  np.testing.assert_allclose(losses, ref_losses, **TOL)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+
+
+# Without jit each fused step is traced again (seconds a step), so a few steps: what they check
+# is that eager steps read and write host-resident state, which needs no long run.
+@pytest.mark.parametrize("case, mode", [("scanned_blocks", "backward"),
+                                        ("tied_embed_lm", "forward")])
+def test_offloaded_state_follows_flax_apply_gradients_without_jit(case, mode):
+  ref_losses, ref_state = _reference(case, 3)
+  losses, state = _train(case, "train_state", mode, steps=3, offload="state", jit=False)
+  assert _slot_memory_kinds(state.opt_state) == {"pinned_host"}
+  np.testing.assert_allclose(losses, ref_losses, **TOL)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+
+
+def test_create_with_offload_puts_the_slots_in_host_memory_and_the_count_on_the_device():
+  _, params, _, _, _ = _setup("tied_embed_lm")
+  tx = optax.adam(1e-3)
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=tx, offload="state")
+  assert state.offload == "state" and state.fused.offload == "state"
+  assert _slot_memory_kinds(state.opt_state) == {"pinned_host"}
+  assert state.opt_state[0].count.sharding.memory_kind == "device"
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, state.opt_state), tx.init(params))
+
+
+def test_forward_flush_mid_training_keeps_offloaded_state_on_the_host_and_follows_flax():
+  model, params, batch_stats, batch, loss_fn = _setup("scanned_blocks")
+  state = FusedState.create(apply_fn=model.apply, params=params,
+                            tx=optax.adamw(1e-2, weight_decay=1e-2), mode="forward",
+                            offload="state", batch_stats=batch_stats)
+  step = jax.jit(_fused_train_step(loss_fn), donate_argnums=0)
+  losses = []
+  for t in range(6):
+    if t == 3:  # an evaluation in the middle of training
+      state = jax.jit(lambda s: s.flush(), donate_argnums=0)(state)
+      assert _slot_memory_kinds(state.opt_state.pending_grads) == {"pinned_host"}
+      assert _slot_memory_kinds(state.opt_state.opt_state) == {"pinned_host"}
+    state, loss = step(state, batch)
+    losses.append(loss)
+  state = state.flush()
+  ref_losses, ref_state = _reference("scanned_blocks", 6)
+  np.testing.assert_allclose(np.asarray(losses), ref_losses, **TOL)
+  chex.assert_trees_all_close(_trained(state.replace(opt_state=state.opt_state.opt_state)),
+                              _trained(ref_state), **TOL)
+
+
+def test_orbax_resume_of_a_train_state_with_offloaded_state_continues_the_same_trajectory(
+    tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  model, params, batch_stats, batch, loss_fn = _setup("conv_batchnorm_dropout")
+
+  def create():
+    return FusedState.create(apply_fn=model.apply, params=jax.tree.map(jnp.copy, params),
+                             tx=optax.adamw(1e-2, weight_decay=1e-2), offload="state",
+                             batch_stats=batch_stats)
+
+  state = create()
+  step = jax.jit(_fused_train_step(loss_fn), donate_argnums=0)
+  for _ in range(4):
+    state, _ = step(state, batch)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "step_4", state)
+    checkpointer.wait_until_finished()
+    # A new state is the template: its shardings carry memory_kind="pinned_host" for the slots
+    # (its step is the Python int 0, an int32 scalar once trained).
+    template = create()
+    template = template.replace(step=jnp.asarray(template.step))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            template)
+    state = checkpointer.restore(tmp_path / "step_4", abstract)
+  assert _slot_memory_kinds(state.opt_state) == {"pinned_host"} and int(state.step) == 4
+  # JAX builds arrays on a single-device sharding with the device memory space in their type
+  # whatever the sharding's memory kind (a NamedSharding keeps it), so a traced step would see
+  # them in device memory; from_optax_state places them in host memory again.
+  state = state.replace(opt_state=optfuse.from_optax_state(state.fused, state.params,
+                                                           state.opt_state))
+  step = jax.jit(_fused_train_step(loss_fn), donate_argnums=0)  # traced anew, as on a restart
+  for _ in range(4):
+    state, _ = step(state, batch)
+  _, ref_state = _reference("conv_batchnorm_dropout", 8)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+
+
+def test_apply_gradients_on_offloaded_state_matches_flax_and_leaves_it_on_the_host():
+  _, params, _, batch, loss_fn = _setup("tied_embed_lm")
+  tx = optax.adam(1e-2)
+  grad_fn = jax.grad(lambda p: loss_fn(p, {}, batch, DROPOUT_KEY)[0])
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def fused_then_plain(state):
+    _, state = state.value_and_update(loss_fn, {}, batch, DROPOUT_KEY, has_aux=True)
+    return state.apply_gradients(grads=grad_fn(state.params))
+
+  @jax.jit
+  def plain_twice(state):
+    state = state.apply_gradients(grads=grad_fn(state.params))
+    return state.apply_gradients(grads=grad_fn(state.params))
+
+  fused = fused_then_plain(optfuse.linen.TrainState.create(
+      apply_fn=None, params=jax.tree.map(jnp.copy, params), tx=tx, offload="state"))
+  plain = plain_twice(train_state.TrainState.create(apply_fn=None, params=params, tx=tx))
+  assert _slot_memory_kinds(fused.opt_state) == {"pinned_host"}
+  # float32, same operations, different XLA fusions: a few ulps.
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, (fused.params, fused.opt_state)),
+                              (plain.params, plain.opt_state), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("offload", ["grads", "optimizer", True])
+def test_an_unknown_offload_is_refused_by_create_and_train_step_like_fuse(offload):
+  _, params, _, _, loss_fn = _setup("tied_embed_lm")
+  match = f"unknown offload {offload!r}; use None or \"state\""
+  with pytest.raises(optfuse.OffloadError, match=match):
+    optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3),
+                                    offload=offload)
+  with pytest.raises(optfuse.OffloadError, match=match):
+    optfuse.train_step(loss_fn, offload=offload)
+
+
+def test_offload_with_two_pass_is_refused_and_the_error_says_to_use_forward_mode():
+  _, params, _, _, loss_fn = _setup("tied_embed_lm")
+  with pytest.raises(optfuse.OffloadError, match='use mode="forward"'):
+    optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=CLIP,
+                                    global_ops="two_pass", offload="state")
+  with pytest.raises(optfuse.OffloadError, match='use mode="forward"'):
+    optfuse.train_step(loss_fn, global_ops="two_pass", offload="state")
+
+
+def test_train_step_refuses_an_offload_that_contradicts_the_state():
+  params, batches, loss = _dense_params_and_batches()
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+  with pytest.raises(optfuse.OffloadError, match="offload=None"):
+    optfuse.train_step(loss, offload="state")(state, *batches[0])
+
+
+def test_train_step_with_offload_on_a_device_resident_flax_state_says_how_to_move_it():
+  params, batches, loss = _dense_params_and_batches()
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+  with pytest.raises(optfuse.OffloadError, match=r"is in device memory.*from_optax_state"):
+    jax.jit(optfuse.train_step(loss, offload="state"))(state, *batches[0])
