@@ -8,7 +8,8 @@ split once into the trained params (the ``wrt`` variables of the model), the oth
 (batch statistics, RNG counters, variables of modules or ``nnx.Rngs`` passed as arguments) and
 the rest. The loss merges them back inside the fused step and returns the variables it changed,
 which are written back into the caller's objects with ``nnx.update``, as are the new params and
-optimizer state.
+optimizer state. With ``offload="state"`` the slots of the optimizer state live in host memory,
+where the constructor puts them and every step leaves them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx.training import optimizer as nnx_optimizer
 
+from optfuse._base import _memory_spaces
 from optfuse._base._checks import check_loss
 from optfuse._fuse import fuse
 
@@ -40,8 +42,10 @@ class Optimizer(nnx.Optimizer[M]):
     global_ops: ``None`` or ``"two_pass"`` (see ``optfuse.fuse``).
     guard: whether backward mode keeps only the loops that lower the compiled peak (see
       ``optfuse.fuse``).
-    fused: the ``optfuse.fuse(tx, mode, global_ops, guard=guard)`` transformation; it caches
-      the update plans.
+    offload: ``None`` or ``"state"``: the slots of ``opt_state`` in ``pinned_host`` memory,
+      streamed through the fused step (see ``optfuse.fuse``).
+    fused: the ``optfuse.fuse(tx, mode, global_ops, offload, guard)`` transformation; it
+      caches the update plans.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse.nnx
@@ -56,12 +60,20 @@ class Optimizer(nnx.Optimizer[M]):
     >>> first = train_step(model, optimizer, x, y)
     >>> bool(train_step(model, optimizer, x, y) < first), int(optimizer.step[...])
     (True, 2)
+
+    With the optimizer state in host memory:
+
+    >>> optimizer = optfuse.nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param,
+    ...                                   offload="state")
+    >>> loss = train_step(model, optimizer, x, y)
+    >>> optimizer.opt_state[0].mu["kernel"][...].sharding.memory_kind
+    'pinned_host'
   """
 
   def __init__(self, model: M, tx: optax.GradientTransformation, *,
                wrt: filterlib.Filter = nnx.Param, mode: str = "backward",
                global_ops: str | None = None, guard: bool = False,
-               graph: bool | None = None):
+               offload: str | None = None, graph: bool | None = None):
     """Builds the optimizer state of the ``wrt`` variables of ``model``.
 
     Args:
@@ -73,13 +85,18 @@ class Optimizer(nnx.Optimizer[M]):
         ``clip_by_global_norm`` (see ``optfuse.fuse``).
       guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
         ``optfuse.fuse``).
+      offload: ``"state"`` builds the optimizer state with its slots in ``pinned_host``
+        memory, where the fused step streams them from and leaves them (``fuse``'s ``init``
+        placement); not with ``global_ops``. ``None`` (default): on the device.
       graph: NNX graph mode (``True``) or tree mode (``False``); ``None``: NNX's current mode.
 
     Raises:
       UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
+      OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with
+        ``global_ops``.
       GuardError: ``guard`` is ``True`` outside backward mode.
     """
-    fused = fuse(tx, mode, global_ops, guard=guard)
+    fused = fuse(tx, mode, global_ops, offload, guard)
     # nnx.Optimizer.__init__ would build the state with tx.init; the fused transformation's init
     # gives the layout of its mode, so the attributes are set here as nnx.Optimizer sets them.
     self.graph = graph
@@ -91,7 +108,34 @@ class Optimizer(nnx.Optimizer[M]):
     self.mode = mode
     self.global_ops = global_ops
     self.guard = guard
+    self.offload = offload
     self.fused = fused
+
+  def update(self, model: M, grads, /, **kwargs) -> optax.Updates:
+    """``nnx.Optimizer.update``: optax's update of ``model`` and the state by ``grads``.
+
+    With ``offload="state"`` the slots are fetched whole to the device for optax's update and
+    the new ones written back to host memory (``mode="off"``'s step), since JAX computes on
+    device arrays only.
+
+    Args:
+      model: the module this optimizer was built for.
+      grads: the gradients of its ``wrt`` variables (from ``nnx.grad``).
+      **kwargs: extra arguments of ``tx.update``.
+
+    Returns:
+      The updates applied to the model's ``wrt`` variables.
+    """
+    if self.offload is None:
+      return super().update(model, grads, **kwargs)
+    on_host = nnx.as_pure(self.opt_state)
+    self._write_opt_state(_memory_spaces.tree_to_device(on_host))
+    updates = super().update(model, grads, **kwargs)
+    self._write_opt_state(_memory_spaces.tree_like(nnx.as_pure(self.opt_state), on_host))
+    return updates
+
+  def _write_opt_state(self, opt_state) -> None:
+    nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
 
   def value_and_update(self, model: M, loss_fn: Callable, *args, has_aux: bool = False,
                        **kwargs) -> Any:
@@ -132,7 +176,7 @@ class Optimizer(nnx.Optimizer[M]):
         nnx.as_pure(params[0]), nnx.as_pure(self.opt_state), nnx.as_pure(variables), rest)
     nnx.update(model, new_params)
     nnx.update((model, args, kwargs), new_variables)
-    nnx.update(self.opt_state, nnx.state(new_opt_state, **graph_kw))
+    self._write_opt_state(new_opt_state)
     self.step[...] += 1
     return (loss, aux) if has_aux else loss
 
@@ -149,4 +193,4 @@ class Optimizer(nnx.Optimizer[M]):
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     params, opt_state = self.fused.flush(params, nnx.as_pure(self.opt_state))
     nnx.update(model, params)
-    nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
+    self._write_opt_state(opt_state)

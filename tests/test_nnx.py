@@ -131,25 +131,27 @@ def _pure(tree):
 
 
 def _train(case: str, fused: bool, mode: str = "backward", steps: int = STEPS,
-           guard: bool = False):
+           guard: bool = False, offload: str | None = None, jit: bool = True):
   """Trains ``steps`` steps; returns the losses and the trained state in optax's layout."""
   model, loss_fn, args = CASES[case]()
   tx = optax.adamw(1e-2, weight_decay=1e-2)
   if fused:
-    optimizer = optfuse.nnx.Optimizer(model, tx, wrt=nnx.Param, mode=mode, guard=guard)
+    optimizer = optfuse.nnx.Optimizer(model, tx, wrt=nnx.Param, mode=mode, guard=guard,
+                                      offload=offload)
 
-    @nnx.jit
     def train_step(model, optimizer, args):
       return optimizer.value_and_update(model, loss_fn, *args)
   else:
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-    @nnx.jit
     def train_step(model, optimizer, args):
       loss, grads = nnx.value_and_grad(loss_fn)(model, *args)
       optimizer.update(model, grads)
       return loss
 
+  if jit:
+    # With offloaded state, the model and optimizer donated as a training loop donates them.
+    train_step = nnx.jit(train_step, donate_argnums=(0, 1) if offload else None)
   losses = [train_step(model, optimizer, args) for _ in range(steps)]
   opt_state = nnx.as_pure(optimizer.opt_state)
   if mode == "forward":
@@ -161,8 +163,8 @@ def _train(case: str, fused: bool, mode: str = "backward", steps: int = STEPS,
 
 
 @functools.cache
-def _reference(case: str):
-  return _train(case, fused=False)
+def _reference(case: str, steps: int = STEPS):
+  return _train(case, fused=False, steps=steps)
 
 
 # float32, the same operations as the reference but compiled into different XLA fusions: results
@@ -318,3 +320,102 @@ def test_two_pass_clipping_matches_nnx_optimizer_update():
     models.append(nnx.state(model, nnx.Param))
   # float32: the same update in another XLA program, a few ulps per step.
   chex.assert_trees_all_close(_pure(models[1]), _pure(models[0]), rtol=1e-5, atol=1e-6)
+
+
+def _slot_memory_kinds(opt_state) -> set:
+  """The memory kinds of the slots (float leaves with an axis) of an optax state."""
+  return {x.sharding.memory_kind for x in jax.tree.leaves(opt_state)
+          if x.ndim and jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+# Offloaded state: every model in backward and forward mode (forward compared after ``flush``,
+# which leaves the slots in host memory too), and mode="off" (optax's update on the state
+# fetched whole).
+OFFLOAD_STEPS = 30
+OFFLOAD_RUNS = [(case, mode) for case in CASES for mode in ("backward", "forward")]
+OFFLOAD_RUNS += [("conv_batchnorm_dropout", "off")]
+
+
+@pytest.mark.parametrize(("case", "mode"), OFFLOAD_RUNS)
+def test_offloaded_state_follows_nnx_optimizer_update_over_30_jitted_donated_steps(case, mode):
+  ref_losses, ref_state = _reference(case, OFFLOAD_STEPS)
+  losses, state = _train(case, fused=True, mode=mode, steps=OFFLOAD_STEPS, offload="state")
+  assert _slot_memory_kinds(state["opt_state"]) == {"pinned_host"}
+  # Moving slots to the host and back is exact: the tolerance of the device-resident runs.
+  np.testing.assert_allclose(losses, ref_losses, **TOL)
+  chex.assert_trees_all_close(state, ref_state, **TOL)
+
+
+# Without jit each fused step is traced again (seconds a step), so a few steps: what they check
+# is that eager steps read and write host-resident state, which needs no long run.
+@pytest.mark.parametrize("case, mode", [("scanned_blocks", "backward"),
+                                        ("tied_embed_lm", "forward")])
+def test_offloaded_state_follows_nnx_optimizer_update_without_jit(case, mode):
+  ref_losses, ref_state = _reference(case, 3)
+  losses, state = _train(case, fused=True, mode=mode, steps=3, offload="state", jit=False)
+  assert _slot_memory_kinds(state["opt_state"]) == {"pinned_host"}
+  np.testing.assert_allclose(losses, ref_losses, **TOL)
+  chex.assert_trees_all_close(state, ref_state, **TOL)
+
+
+def test_offload_builds_the_slots_in_host_memory_with_nnx_optimizers_values():
+  model, _, _ = _cnn_case()
+  tx = optax.adam(1e-3)
+  fused = optfuse.nnx.Optimizer(model, tx, wrt=nnx.Param, offload="state")
+  plain = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  assert fused.offload == "state" and fused.fused.offload == "state"
+  assert _slot_memory_kinds(nnx.as_pure(fused.opt_state)) == {"pinned_host"}
+  assert fused.opt_state[0].count[...].sharding.memory_kind == "device"
+  assert jax.tree.structure(nnx.state(fused)) == jax.tree.structure(nnx.state(plain))
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(fused)), nnx.as_pure(nnx.state(plain)))
+
+
+def test_forward_flush_mid_training_keeps_offloaded_state_on_the_host_and_follows_nnx():
+  model, loss_fn, args = _scanned_case()
+  optimizer = optfuse.nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=1e-2), wrt=nnx.Param,
+                                    mode="forward", offload="state")
+  step = nnx.jit(lambda m, o, args: o.value_and_update(m, loss_fn, *args), donate_argnums=(0, 1))
+  flush = nnx.jit(lambda m, o: o.flush(m), donate_argnums=(0, 1))
+  losses = []
+  for t in range(6):
+    if t == 3:  # an evaluation in the middle of training
+      flush(model, optimizer)
+      assert _slot_memory_kinds(nnx.as_pure(optimizer.opt_state)) == {"pinned_host"}
+    losses.append(step(model, optimizer, args))
+  optimizer.flush(model)
+  ref_losses, ref_state = _reference("scanned_blocks", 6)
+  state = _pure({"model": nnx.state(model), "opt_state": nnx.as_pure(optimizer.opt_state).opt_state,
+                 "step": optimizer.step, "args": nnx.state(args)})
+  np.testing.assert_allclose(np.asarray(losses), ref_losses, **TOL)
+  chex.assert_trees_all_close(state, ref_state, **TOL)
+
+
+def test_update_with_gradients_on_offloaded_state_matches_nnx_and_leaves_it_on_the_host():
+  def run(cls, **kwargs):
+    model, loss_fn, args = _cnn_case()
+    optimizer = cls(model, optax.adam(1e-2), wrt=nnx.Param, **kwargs)
+    if kwargs:
+      nnx.jit(lambda m, o: o.value_and_update(m, loss_fn, *args), donate_argnums=(0, 1))(
+          model, optimizer)
+    else:
+      optimizer.update(model, nnx.grad(loss_fn)(model, *args))
+    nnx.jit(lambda m, o: o.update(m, nnx.grad(loss_fn)(m, *args)), donate_argnums=(0, 1))(
+        model, optimizer)
+    return optimizer, _pure((nnx.state(model), nnx.state(optimizer)))
+
+  optimizer, fused = run(optfuse.nnx.Optimizer, offload="state")
+  assert _slot_memory_kinds(nnx.as_pure(optimizer.opt_state)) == {"pinned_host"}
+  # float32, the same operations in other XLA programs: a few ulps.
+  chex.assert_trees_all_close(fused, run(nnx.Optimizer)[1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("offload", ["grads", "optimizer", True])
+def test_an_unknown_offload_is_refused_at_construction_like_fuse(offload):
+  with pytest.raises(optfuse.OffloadError, match=f"unknown offload {offload!r}; use None"):
+    optfuse.nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), offload=offload)
+
+
+def test_offload_with_two_pass_is_refused_and_the_error_says_to_use_forward_mode():
+  with pytest.raises(optfuse.OffloadError, match='use mode="forward"'):
+    optfuse.nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.adam(0.1),
+                          global_ops="two_pass", offload="state")
