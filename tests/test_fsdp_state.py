@@ -6,6 +6,9 @@ tools lay out the state they compile the same way (``_inputs.state_on``), so a r
 v5e 2x2 mesh is the peak of the step the user runs, not of one with the state replicated.
 """
 
+import importlib.util
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -16,56 +19,35 @@ from jax.sharding import PartitionSpec as P
 import optfuse
 from optfuse._analysis import _memory
 from optfuse._targets import _inputs, _registry
-from optfuse.bench import _fsdp, _models
-from optfuse.bench._models import DecoderConfig
+from optfuse.bench import _models
 
 needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
                                reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
 
-# Wide enough that the state (8 bytes a param) is most of each device's memory, so a state
-# planned replicated is far from one sharded four ways.
-CONFIG = DecoderConfig(layers=4, dim=256, heads=4, ff=1024, vocab=1024, seq=128, batch=4)
+
+def _example():
+  """``examples/plan_fsdp.py``: the FSDP layout and the optax step a user lowers by hand."""
+  path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "plan_fsdp.py"
+  spec = importlib.util.spec_from_file_location("examples.plan_fsdp", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
-def _sharded(tree, mesh):
-  """Each leaf sharded along its largest axis the mesh divides (never a stacked layer axis)."""
-  def place(path, x):
-    axis = _fsdp.shard_axis(x.shape, "layers" in jax.tree_util.keystr(path), mesh.size)
-    spec = [None] * x.ndim
-    if axis is not None:
-      spec[axis] = "fsdp"
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec)))
-
-  return jax.tree_util.tree_map_with_path(place, tree)
+PLAN = _example()
 
 
 @pytest.fixture(scope="module")
 def decoder():
   mesh = optfuse.target_mesh("tpu-v5e:2x2", ("fsdp",))
-  model = _models.decoder(CONFIG, scanned=True, remat=True)
-  params = _sharded(_models.abstract(model.params), mesh)
-  batch = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=NamedSharding(mesh, P("fsdp")))
-                for b in _models.abstract(model.batch))
-  return mesh, model, params, batch
+  # Wide enough that the state (8 bytes a param) is most of each device's memory, so a state
+  # planned replicated is far from one sharded four ways.
+  model = _models.decoder(PLAN.SIZES["tiny"], scanned=True, remat=True)
+  return (mesh, model, *PLAN.fsdp_inputs(model, mesh))
 
 
 def _users_optax_peak(mesh, loss, tx, params, batch, state_like_params: bool) -> int:
-  """The per-device peak of the optax step an FSDP user lowers by hand."""
-  def step(params, state, *batch):
-    value, grads = jax.value_and_grad(loss)(params, *batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, value
-
-  rep = NamedSharding(mesh, P())
-  struct = lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
-  abstract = jax.eval_shape(tx.init, params)
-  if state_like_params:
-    state = optax.tree_utils.tree_map_params(tx, lambda s, p: struct(s, p.sharding), abstract,
-                                             params, transform_non_params=lambda s: struct(s, rep))
-  else:
-    state = jax.tree.map(lambda s: struct(s, rep), abstract)
-  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *batch)
-  return _memory.compile_memory(lowered)["peak_bytes"]
+  return PLAN.hand_lowered_optax_peak(loss, tx, params, batch, mesh, state_like_params)
 
 
 @needs_tpu
