@@ -91,6 +91,16 @@ CASES: dict[str, tuple] = {
     "reduce_or": (lambda x: jnp.any(x > 0.5, axis=2), [((L, 3, 5), F32)]),
     "reduce_xor": (lambda x: lax.reduce_xor_p.bind(x, axes=(2,)),
                    [((L, 3, 5), I32)]),
+    # The low-bit state's quantizer: codes bitcast into float32 words and back, a slot padded
+    # to whole blocks, values looked up in a constant table (with and without offset dims).
+    "bitcast_convert_type": (lambda x: lax.bitcast_convert_type(
+        lax.bitcast_convert_type(x, jnp.uint32), jnp.float32), [((L, 3, 5), F32)]),
+    "bitcast_convert_type narrowing": (lambda x: lax.bitcast_convert_type(
+        x, jnp.uint8).astype(jnp.float32), [((L, 3, 5), F32)]),
+    "pad": (lambda x: lax.pad(x, 0.0, [(0, 0, 0), (1, 2, 0), (0, 3, 1)]), [((L, 3, 5), F32)]),
+    "gather": (lambda i: jnp.take(jnp.arange(10.0) * 0.5, i % 10), [((L, 3, 5), I32)]),
+    "gather of rows": (lambda i: jnp.take(jnp.arange(20.0).reshape(10, 2), i % 10, axis=0),
+                       [((L, 3, 5), I32)]),
 }
 
 
@@ -173,6 +183,10 @@ MIXING = {
     "dot_general contracting it": (lambda x: jnp.einsum("lij,lik->jk", x, x)[:3][None] * x,
                                    [((L, 3, 5), F32)]),
     "a primitive without a rule": (lambda x: jnp.flip(x, axis=0), [((L, 3, 5), F32)]),
+    "pad of the stacked axis": (lambda x: lax.pad(x, 0.0, [(1, 0, 0), (0, 0, 0), (0, 0, 0)])[1:],
+                                [((L, 3, 5), F32)]),
+    "gather from a stacked operand": (lambda x: jnp.take(x, jnp.array([1, 0, 2, 3]), axis=0),
+                                      [((L, 3, 5), F32)]),
 }
 
 

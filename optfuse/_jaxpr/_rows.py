@@ -217,6 +217,45 @@ def _dot_general(eqn, axes, length):
   return RowParams(params, (None, None), (out,))
 
 
+def _bitcast_convert_type(eqn, axes, length):
+  """A bitcast keeps every axis; between dtypes of different widths it adds (to a narrower
+  dtype) or consumes (to a wider one) a trailing axis, which must not be the stacked one."""
+  del length
+  a = _unary(eqn, axes)
+  in_rank, out_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.outvars[0]))
+  if out_rank < in_rank and a == in_rank - 1:
+    raise NotRowwise("bitcast_convert_type merging the stacked axis into wider values")
+  return RowParams(dict(eqn.params), (None,), (a,))
+
+
+def _pad(eqn, axes, length):
+  del length
+  if axes[0] is None or axes[1] is not None:
+    raise NotRowwise("pad with a stacked padding value")
+  a = axes[0]
+  config = eqn.params["padding_config"]
+  if tuple(config[a]) != (0, 0, 0):
+    raise NotRowwise("pad of the stacked axis")
+  return RowParams(dict(eqn.params, padding_config=tuple(c for i, c in enumerate(config)
+                                                          if i != a)), (None, None), (a,))
+
+
+def _gather(eqn, axes, length):
+  """A gather of row indices from a whole operand (a lookup table): its output's batch axes
+  are the indices' axes, so the stacked axis of the indices is one of them."""
+  del length
+  a_operand, a = axes
+  dims = eqn.params["dimension_numbers"]
+  index_rank = len(_shape(eqn.invars[1]))
+  if a_operand is not None or a is None or a == index_rank - 1 or dims.operand_batching_dims:
+    raise NotRowwise("gather from a stacked operand, or along the index vector")
+  out_rank = len(_shape(eqn.outvars[0]))
+  out = [d for d in range(out_rank) if d not in dims.offset_dims][a]
+  row_dims = dims._replace(offset_dims=tuple(d - (d > out) for d in dims.offset_dims))
+  params = clear_params(dict(eqn.params, dimension_numbers=row_dims), "out_sharding")
+  return RowParams(params, (None, None), (out,))
+
+
 _ELEMENTWISE = (
     "abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz "
     "complex conj convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 "
@@ -240,6 +279,9 @@ ROW_RULES: dict[jcore.Primitive, RowRule] = {
     P.concatenate_p: _along("dimension"),
     P.dot_general_p: _dot_general,
     P.sharding_constraint_p: _sharding_constraint,
+    P.bitcast_convert_type_p: _bitcast_convert_type,
+    P.pad_p: _pad,
+    P.gather_p: _gather,
 }
 
 # Equations that keep each row of their one operand a row of their output: the operations that
