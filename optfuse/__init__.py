@@ -15,6 +15,7 @@ from optfuse._analysis._memory import memory_report as memory_report
 from optfuse._base._errors import BudgetError as BudgetError
 from optfuse._base._errors import GuardError as GuardError
 from optfuse._base._errors import LossOutputError as LossOutputError
+from optfuse._base._errors import LowBitError as LowBitError
 from optfuse._base._errors import MicrobatchError as MicrobatchError
 from optfuse._base._errors import NonSeparableError as NonSeparableError
 from optfuse._base._errors import OffloadError as OffloadError
@@ -29,6 +30,8 @@ from optfuse._engines._forward_state import to_optax_state as to_optax_state
 from optfuse._fuse import FusedTransformation as FusedTransformation
 from optfuse._fuse import check_separable as check_separable
 from optfuse._fuse import fuse as fuse
+from optfuse._low_bit._transform import QuantizedSlot as QuantizedSlot
+from optfuse._low_bit._transform import low_bit as low_bit
 from optfuse._targets._backends import compiling_for as compiling_for
 from optfuse._targets._registry import target_mesh as target_mesh
 from optfuse._targets._registry import targets as targets

@@ -27,6 +27,7 @@ LAYERS = [
     ["_plan"],                                         # tx.update split per leaf
     ["_jaxpr"],                                        # the interpreter, row evaluation
     ["_targets"],                                      # compile targets, per-backend choices
+    ["_low_bit"],                                      # low-bit optimizer state: needs _base only
     ["_base"],                                         # errors, input checks, leaf predicates
 ]
 LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}

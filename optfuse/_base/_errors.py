@@ -72,3 +72,13 @@ class GuardError(OptfuseError, ValueError):
   The memory guard (``fuse``'s ``guard``) compiles backward mode's step for its input shapes
   and keeps only the loops that lower its peak: it runs in ``mode="backward"``.
   """
+
+
+class LowBitError(OptfuseError, ValueError):
+  """``low_bit`` was given bits other than 8 or 4, a block size that is not a positive multiple
+  of 8, or an inner transformation with a large float slot shaped like no parameter.
+
+  ``low_bit`` quantizes elementwise slots (Adam's ``mu`` and ``nu``, momentum traces), each
+  shaped like its parameter. Wrap only the elementwise part of a chain, or pass ``slot_map``
+  returning ``None`` for the slots to keep as they are.
+  """

@@ -83,15 +83,18 @@ def _pack(codes, bits: int):
   """Codes ``(*lead, m)`` (m a multiple of the codes a word) to float32 words."""
   per = codes_per_word(bits)
   grouped = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
-  words = jnp.bitwise_or.reduce(jnp.left_shift(grouped, jnp.asarray(_shifts(bits))), axis=-1)
+  shifts = jnp.broadcast_to(_shifts(bits), grouped.shape)  # full shape: a row of it is a row
+  words = jnp.bitwise_or.reduce(jnp.left_shift(grouped, shifts), axis=-1)
   return lax.bitcast_convert_type(words, jnp.float32)
 
 
 def _unpack(words, bits: int):
   grouped = lax.bitcast_convert_type(words, jnp.uint32)[..., None]
   mask = np.uint32(2 ** bits - 1)
-  codes = jnp.right_shift(grouped, jnp.asarray(_shifts(bits))) & mask
-  return codes.reshape(*words.shape[:-1], words.shape[-1] * codes_per_word(bits))
+  per = codes_per_word(bits)
+  shifts = jnp.broadcast_to(_shifts(bits), (*grouped.shape[:-1], per))
+  codes = jnp.right_shift(jnp.broadcast_to(grouped, shifts.shape), shifts) & mask
+  return codes.reshape(*words.shape[:-1], words.shape[-1] * per)
 
 
 def quantize(x, scheme: Scheme, block_size: int):
