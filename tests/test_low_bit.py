@@ -102,11 +102,13 @@ def test_the_slot_map_chooses_the_map_of_each_slot_or_keeps_it():
   assert optfuse.low_bit.__doc__ and "References" in optfuse.low_bit.__doc__
 
 
-def test_min_size_zero_quantizes_every_float_slot():
+def test_min_size_zero_quantizes_every_float_slot_but_scalars():
   params = {"w": jnp.ones((3, 5))}
-  state = optfuse.low_bit(optax.sgd(1e-2, momentum=0.9), bits=4, min_size=0).init(params)
-  trace = state[0].trace["w"]
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=1e-2, momentum=0.9)
+  state = optfuse.low_bit(tx, bits=4, min_size=0).init(params)
+  trace = state.inner_state[0].trace["w"]
   assert trace.codes.shape == (3, 16) and trace.scales.shape == (3, 1)
+  assert state.hyperparams["learning_rate"].shape == ()
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -70,15 +70,16 @@ def _slot_schemes(template, updates, bits: int, min_size: int, slot_map: SlotMap
 
   def choose(path, slot):
     name = jax.tree_util.keystr(path)
-    if not jnp.issubdtype(slot.dtype, jnp.floating) or math.prod(slot.shape) < min_size:
-      return None
+    if (not jnp.issubdtype(slot.dtype, jnp.floating) or not slot.shape
+        or math.prod(slot.shape) < min_size):
+      return None  # counts, scalar hyperparameters and small slots stay as they are
     kind = slot_map(name, slot)
     if kind is None:
       return None
     if kind not in ("signed", "unsigned"):
       raise LowBitError(f"slot_map returned {kind!r} for {name}; it returns "
                         '"signed", "unsigned" or None.')
-    if tuple(slot.shape) not in param_shapes or not slot.shape:
+    if tuple(slot.shape) not in param_shapes:
       raise LowBitError(
           f"low_bit cannot quantize the inner state's slot {name} of shape {slot.shape}: it is "
           "shaped like no parameter, so its update is not elementwise (a factored or global "
