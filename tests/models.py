@@ -217,3 +217,16 @@ def ema_of_params(lr: float = 1e-2) -> optax.GradientTransformation:
     return jax.tree.map(lambda g, m, p: -lr * (g + 0.01 * (p - m)), grads, mu, params), mu
 
   return optax.GradientTransformation(init, update)
+
+
+def orbax_round_trip(path, tree, template):
+  """``tree`` saved with Orbax under ``path`` and restored onto ``template``'s shardings (memory
+  kinds included), as a resumed job restores it."""
+  import orbax.checkpoint as ocp
+
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, tree)
+    checkpointer.wait_until_finished()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            template)
+    return checkpointer.restore(path, abstract)

@@ -46,18 +46,14 @@ def decoder():
   return (mesh, model, *PLAN.fsdp_inputs(model, mesh))
 
 
-def _users_optax_peak(mesh, loss, tx, params, batch, state_like_params: bool) -> int:
-  return PLAN.hand_lowered_optax_peak(loss, tx, params, batch, mesh, state_like_params)
-
-
 @needs_tpu
 @pytest.mark.targets
 def test_the_report_on_an_fsdp_mesh_is_the_peak_of_the_users_step_with_state_sharded(decoder):
   mesh, model, params, batch = decoder
   tx = optax.adamw(1e-3)
   report = optfuse.memory_report(model.loss, tx, params, *batch, target=mesh)
-  sharded = _users_optax_peak(mesh, model.loss, tx, params, batch, state_like_params=True)
-  replicated = _users_optax_peak(mesh, model.loss, tx, params, batch, state_like_params=False)
+  sharded = PLAN.hand_lowered_optax_peak(model.loss, tx, params, batch, mesh, True)
+  replicated = PLAN.hand_lowered_optax_peak(model.loss, tx, params, batch, mesh, False)
   # The same program compiled by the same compiler: equal, not merely close.
   assert report["off"]["peak_bytes"] == sharded
   assert replicated > 2 * sharded  # what planning the state replicated used to report

@@ -259,7 +259,7 @@ def test_describe_says_where_each_leafs_state_lives():
 
 
 def test_orbax_resume_of_offloaded_state_continues_the_same_trajectory(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
+  pytest.importorskip("orbax.checkpoint")
   params, batches, loss = _scanned()
   fx = optfuse.fuse(optax.adamw(1e-2, weight_decay=0.05), offload="state")
   step = jax.jit(fx.value_and_update(loss), donate_argnums=(0, 1))
@@ -268,13 +268,8 @@ def test_orbax_resume_of_offloaded_state_continues_the_same_trajectory(tmp_path)
   p, s = models.copy(params), fx.init(models.copy(params))
   for t in range(4):
     _, p, s = step(p, s, *batches[t % len(batches)])
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(tmp_path / "step_4", (p, s))
-    checkpointer.wait_until_finished()
-    template = (params, fx.init(models.copy(params)))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            template)
-    p, s = checkpointer.restore(tmp_path / "step_4", abstract)
+  p, s = models.orbax_round_trip(tmp_path / "step_4", (p, s),
+                                 (params, fx.init(models.copy(params))))
   assert _memory_kinds(s)[0].mu["layers"]["w"] == "pinned_host"
   for t in range(4, 8):
     _, p, s = step(p, s, *batches[t % len(batches)])
