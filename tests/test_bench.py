@@ -8,6 +8,7 @@ import json
 import pytest
 
 from optfuse._analysis import _memory
+from optfuse._targets import _registry
 from optfuse.bench import __main__ as bench_main
 from optfuse.bench import _fit_table as bench_fit
 from optfuse.bench import _fsdp, _models, _suite
@@ -220,3 +221,28 @@ def test_a_fit_that_raises_is_recorded_as_failed_rows_not_raised(monkeypatch):
   rows = bench_fit.run_fit(["decoder_tiny"], "1GB", progress=False)
   assert [r["mode"] for r in rows] == list(_memory.MODES)
   assert {r["failed"] for r in rows} == {"ValueError: a library bug."}
+
+
+@pytest.mark.targets
+@pytest.mark.skipif(not _registry.compiler_installed("tpu"),
+                    reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
+def test_the_main_job_leads_with_each_accelerators_peak_of_the_decoder_one_compile_a_mode(
+    tmp_path, monkeypatch):
+  from optfuse.bench import _report, _what_fits
+  monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path / "cache.json"))
+  tiny = bench_fit.TINY_DECODER
+  rows = _what_fits.at_size(["cpu", "tpu-v5e"], progress=False, config=tiny)
+  # "cpu" is the suite's own memory rows; the accelerator gets one row (one compile) a mode.
+  assert [(r["target"], r["mode"]) for r in rows] == [("tpu-v5e", m) for m in _what_fits.MODES]
+  for row in rows:
+    assert 0 < row["peak"] <= row["budget_bytes"] and row["fits"], row
+  line = _what_fits.sized_lines(rows)[0]
+  assert line.startswith("- **tpu-v5e**") and "(fits)" in line and "optax's peak" in line
+  # The cache answers the next run without compiling.
+  again = _what_fits.at_size(["tpu-v5e"], progress=False, config=tiny)
+  assert [r["peak"] for r in again] == [r["peak"] for r in rows]
+  env = {"suite": "quick", "load_average_start": None, "load_average_end": None}
+  timing = {**_suite.environment(), **env, "section": "timing", "model": "m", "description": "",
+            "optimizer": "adamw", "mode": "off", "time_ratio": None, "peak_bytes": None}
+  text = _report.markdown([timing, *({**r, **env} for r in rows)])
+  assert "**On the accelerators**" in text and line in text

@@ -182,7 +182,12 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += ["**What fits** (compile-only, so exact and deterministic for these versions: the "
             "largest depth whose step fits each target's memory, one layer more does not):", "",
             *_what_fits.lines(fits), ""]
-  out += summary([r for r in rows if r["section"] != "fits"])
+  sized = [r for r in rows if r["section"] == "sized"]
+  if sized:
+    out += ["**On the accelerators** (compile-only, so exact and deterministic for these "
+            "versions; the largest depth and batch that fit: `python -m optfuse.bench "
+            "--what-fits`):", "", *_what_fits.sized_lines(sized), ""]
+  out += summary([r for r in rows if r["section"] not in ("fits", "sized")])
   timing = [r for r in rows if r["section"] == "timing"]
   if timing:
     out += _section(

@@ -10,6 +10,10 @@ Both use ``_fit.largest_affine``: a scanned model's peak is close to affine in i
 and its batch, so a search takes about four compiles, two when a previous target's fit guesses
 right; the answer is exact (it fits, one more does not). Peaks come from the disk cache of
 ``_cache`` where the same code and compilers measured them before.
+
+The main job (``--quick``) asks less: the peak of the 1.3B decoder itself (24 layers, batch 1)
+per accelerator target and mode, one compile each (``at_size``), since a TPU compile of this
+model takes about 18 s on two cores and the searches take three or four a mode.
 """
 
 from __future__ import annotations
@@ -199,3 +203,54 @@ def markdown(rows: Sequence[dict[str, Any]], header: Callable[[], str] | None = 
     out.append(f"| {first['target_label']} | {_memory.format_bytes(first['budget_bytes'])} "
                f"| {first['budget_source']} | " + " | ".join(values) + " |")
   return "\n".join(out) + "\n"
+
+
+def at_size(names: Sequence[str], modes: Sequence[str] = MODES, use_cache: bool = True,
+            progress: bool = True, config: DecoderConfig = WIDE) -> list[dict[str, Any]]:
+  """One row per (accelerator target, mode): the compiled peak of ``config`` itself and whether
+  it fits the target's memory (one compile each, or none from the cache); ``"cpu"`` is left to
+  the suite's own memory rows."""
+  rows = []
+  with tqdm(desc="optfuse.bench 1.3B decoder on the targets", unit="compile",
+            disable=not progress) as bar:
+    peaks = Peaks(use_cache, bar)
+    try:
+      env = _suite.environment()
+      for name in names:
+        if resolve(name) is None:
+          continue
+        label, memory, source = _memory.target_budget(resolve(name))
+        for mode in modes:
+          peak = peaks(name, mode, config)
+          rows.append({**env, "section": "sized", "target": name, "target_label": label,
+                       "mode": mode, "peak": peak, "fits": peak is not None and peak <= memory,
+                       "budget_bytes": memory, "budget_source": source,
+                       "layers": config.layers, "dim": config.dim, "seq": config.seq,
+                       "batch": config.batch, "params": _params(config)})
+    finally:
+      peaks.save()
+  return rows
+
+
+def sized_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+  """One line per target: the compiled peak of each mode against the target's memory."""
+  out = []
+  for name in dict.fromkeys(r["target"] for r in rows):
+    got = {r["mode"]: r for r in rows if r["target"] == name}
+    first = next(iter(got.values()))
+
+    def cell(row: dict[str, Any]) -> str:
+      if row["peak"] is None:
+        return f"{LABELS[row['mode']]} does not compile (out of memory)"
+      verdict = "fits" if row["fits"] else "does not fit"
+      return f"{LABELS[row['mode']]} {_memory.format_bytes(row['peak'])} ({verdict})"
+
+    ratio = ("" if got.get("off", {}).get("peak") is None or got.get("backward", {}).get("peak")
+             is None else f"; backward fusion {got['backward']['peak'] / got['off']['peak']:.2f}x "
+             "optax's peak")
+    out.append(f"- **{first['target_label']}** "
+               f"({_memory.format_bytes(first['budget_bytes'])} per device): the "
+               f"{first['params']}-parameter decoder ({first['layers']} layers of "
+               f"d={first['dim']}, T={first['seq']}, batch {first['batch']}) with AdamW: "
+               + ", ".join(cell(r) for r in got.values()) + ratio)
+  return out
