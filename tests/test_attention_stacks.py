@@ -182,7 +182,9 @@ def test_every_stacked_leaf_of_the_scanned_attention_stack_is_placed_loop(name):
   assert not described.reasons
 
 
-@pytest.mark.parametrize("name", CASES)
+# Each stack trains by default in one test and is measured in the other; the crossed pair with
+# ``-m slow``.
+@pytest.mark.parametrize("name", ["nnx", pytest.param("equinox", marks=pytest.mark.slow)])
 def test_scanned_attention_stack_trains_like_optax_over_20_steps(name):
   loss, params = CASES[name]()
   batches = _batches()
@@ -199,7 +201,7 @@ def test_scanned_attention_stack_trains_like_optax_over_20_steps(name):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [pytest.param("nnx", marks=pytest.mark.slow), "equinox"])
 def test_backward_fusion_never_peaks_above_optax_on_the_scanned_attention_stack(name):
   loss, params = CASES[name]()
   spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)

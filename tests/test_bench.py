@@ -175,6 +175,7 @@ def test_the_fit_batch_is_the_leading_axis_of_every_batch_leaf():
   assert [a.dtype for a in args] == [leaf.dtype for leaf in model.batch]
 
 
+@pytest.mark.slow
 def test_what_fits_finds_the_largest_depth_per_mode_and_reuses_the_cache(tmp_path, monkeypatch):
   from optfuse.bench import _what_fits
   monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path / "cache.json"))

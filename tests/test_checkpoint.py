@@ -52,7 +52,8 @@ def injected_state(opt_state):
   return opt_state if hasattr(opt_state, "hyperparams") else opt_state[-1]
 
 
-@pytest.mark.parametrize("name", MODES)
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m == "forward" else m
+                                  for m in MODES])
 def test_orbax_resume_mid_run_continues_the_same_trajectory(name, tmp_path):
   make_tx, kwargs = MODES[name]
   params, batches = models.tied_lm_params(), models.tied_lm_batches()
@@ -79,7 +80,7 @@ def test_orbax_resume_mid_run_continues_the_same_trajectory(name, tmp_path):
 
 @pytest.mark.parametrize("tx, backward", [
     (separable, dict(mode="backward")),
-    (clipped, dict(mode="backward", global_ops="two_pass")),
+    pytest.param(clipped, dict(mode="backward", global_ops="two_pass"), marks=pytest.mark.slow),
 ], ids=["adamw", "clip+adamw two_pass"])
 def test_switching_off_backward_forward_off_follows_optax(tx, backward):
   params, batches = models.tied_lm_params(), models.tied_lm_batches()

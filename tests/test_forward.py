@@ -256,6 +256,7 @@ def test_in_loop_forward_fusion_skips_nan_steps_of_apply_if_finite_as_optax():
   chex.assert_trees_all_close(got, expected, **TOL)
 
 
+@pytest.mark.slow
 def test_in_loop_forward_fusion_without_jit_matches_optax():
   tx = OPTIMIZERS["adamw"]()
   params, batches = models.stacked_params(), models.tied_lm_batches()

@@ -60,6 +60,7 @@ def test_the_report_on_an_fsdp_mesh_is_the_peak_of_the_users_step_with_state_sha
   assert report["backward"]["peak_bytes"] <= report["off"]["peak_bytes"]
 
 
+@pytest.mark.slow
 @needs_tpu
 @pytest.mark.targets
 def test_max_batch_size_on_an_fsdp_mesh_searches_the_step_with_state_sharded(decoder):
@@ -76,6 +77,7 @@ def test_max_batch_size_on_an_fsdp_mesh_searches_the_step_with_state_sharded(dec
   assert fit.next_batch("off") == 12 and all(b % 4 == 0 for b in fit.peaks["off"])
 
 
+@pytest.mark.slow
 @needs_tpu
 @pytest.mark.targets
 def test_offloaded_state_on_an_fsdp_mesh_is_sharded_in_host_memory(decoder):

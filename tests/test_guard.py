@@ -70,7 +70,8 @@ def test_decide_compiles_nothing_without_a_fused_loop():
   assert _guard.decide([], lambda tapped: pytest.fail("compiled")) == {}
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit_donated", "eager"])
+@pytest.mark.parametrize("jit", [pytest.param(True, id="jit_donated"),
+                                 pytest.param(False, id="eager", marks=pytest.mark.slow)])
 def test_a_guarded_step_that_keeps_its_loop_trains_like_optax(jit):
   params, batches = _params(), _batches()
   want = run_optax(TX, params, batches, 20, loss_fn=_stack_loss, jit=jit)

@@ -178,10 +178,10 @@ def test_every_stacked_leaf_of_the_form_is_updated_in_the_loop(form):
   assert not where.reasons
 
 
-# Every form in backward mode; forward and two-pass on the forms whose path differs most (an
-# axis-1 stack behind a transpose and bf16 casts, a checkpoint around the stack) by default,
-# the rest of the matrix with ``-m slow``.
-_FAST_MODES = {"linen_axis1", "outer_remat"}
+# Every form in backward mode; forward and two-pass on the form whose path differs most (an
+# axis-1 stack behind a transpose and bf16 casts) by default, the rest of the matrix with
+# ``-m slow``.
+_FAST_MODES = {"linen_axis1"}
 MODE_CASES = [pytest.param(form, mode, marks=() if mode == "backward" or form in _FAST_MODES
                            else pytest.mark.slow)
               for form in sorted(FORMS) for mode in ("backward", "forward", "two_pass")]

@@ -348,8 +348,9 @@ def test_offloaded_state_follows_nnx_optimizer_update_over_30_jitted_donated_ste
 
 # Without jit each fused step is traced again (seconds a step), so a few steps: what they check
 # is that eager steps read and write host-resident state, which needs no long run.
-@pytest.mark.parametrize("case, mode", [("scanned_blocks", "backward"),
-                                        ("tied_embed_lm", "forward")])
+@pytest.mark.parametrize("case, mode", [
+    ("scanned_blocks", "backward"),
+    pytest.param("tied_embed_lm", "forward", marks=pytest.mark.slow)])
 def test_offloaded_state_follows_nnx_optimizer_update_without_jit(case, mode):
   ref_losses, ref_state = _reference(case, 3)
   losses, state = _train(case, fused=True, mode=mode, steps=3, offload="state", jit=False)

@@ -69,6 +69,7 @@ def _peaks(target=None):
   return peaks, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_backward_fusion_saves_80_percent_of_the_gradient_of_the_penzai_issue_model():
   peaks, gradient = _peaks()
   assert peaks["backward"] <= peaks["off"] - 0.8 * gradient

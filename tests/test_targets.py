@@ -198,6 +198,7 @@ def test_a_model_too_big_for_the_tpu_is_answered_does_not_fit_per_mode():
   assert "does not fit: the compiler needs" in report.table()
 
 
+@pytest.mark.slow
 @needs_tpu
 @pytest.mark.targets
 def test_max_batch_size_on_tpu_needs_no_budget_and_reads_refusals_as_not_fitting():

@@ -224,6 +224,7 @@ def test_two_pass_with_microbatches_matches_optax_accumulation_over_20_steps(nam
     assert bool(jnp.isnan(got[0][np.array(sorted(ACC_NAN_STEPS))]).all())
 
 
+@pytest.mark.slow
 def test_two_pass_with_microbatches_without_jit_matches_optax_accumulation():
   tx = ACCUMULATE["clip_by_global_norm+adamw"]()
   expected, got = train_accumulated(tx, 2, models.tied_lm_params(),
