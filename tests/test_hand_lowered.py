@@ -6,6 +6,9 @@ platform of its inputs' devices while it is traced, so ``jax.jit(step).lower(...
 compiles the program ``memory_report(target=...)`` compiles, not this machine's choices.
 """
 
+import importlib.util
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -31,12 +34,13 @@ def _placed(tree, mesh):
                                                      sharding=NamedSharding(mesh, P())), tree)
 
 
-def _hand_lowered_peak(fx, model, mesh) -> int:
-  params, batch = _models.abstract(model.params), _models.abstract(model.batch)
-  state = jax.eval_shape(fx.init, params)
-  step = jax.jit(fx.value_and_update(model.loss), donate_argnums=(0, 1))
-  lowered = step.lower(_placed(params, mesh), _placed(state, mesh), *_placed(batch, mesh))
-  return _compiled.compiled_memory(lowered.compile())["peak_bytes"]
+def _example():
+  """``examples/hand_lowered_forms.py``: each form's peaks by memory_report and by hand."""
+  path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "hand_lowered_forms.py"
+  spec = importlib.util.spec_from_file_location("examples.hand_lowered_forms", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def test_inputs_placed_on_a_platform_give_its_choices_while_traced():
@@ -61,10 +65,19 @@ def test_a_step_lowered_by_hand_for_tpu_v5e_compiles_what_memory_report_compiles
   params, batch = _models.abstract(model.params), _models.abstract(model.batch)
   report = _compiled.compiled_memory(
       _memory.lower_step(fx, model.loss, params, batch, target=target).compile())["peak_bytes"]
-  assert _hand_lowered_peak(fx, model, target.mesh) == report
+  assert _example().hand_lowered_peak(fx, model, target.mesh) == report
   # Without the platform read from the inputs, the same lowering takes this machine's choices.
   monkeypatch.setattr(_backends, "inputs_placement", lambda tree: _backends.Placement(None, None))
-  assert _hand_lowered_peak(fx, model, target.mesh) != report
+  assert _example().hand_lowered_peak(fx, model, target.mesh) != report
+
+
+@pytest.mark.slow
+@needs_tpu
+@pytest.mark.targets
+@pytest.mark.parametrize("form", ["linen_axis1", "bf16_policy", "outer_remat", "decoder"])
+def test_every_form_lowered_by_hand_compiles_what_memory_report_compiles(form):
+  got = _example().peaks(form, SIZE)
+  assert got["by_hand"] == got["report"], got
 
 
 @needs_tpu
@@ -82,7 +95,7 @@ def test_the_guard_of_a_step_lowered_by_hand_for_another_platform_asks_for_its_t
   model = _forms.FORMS["outer_remat"](SIZE._replace(layers=4, dim=64, ff=128, vocab=64, seq=8))
   fx = optfuse.fuse(optax.adamw(1e-3), guard=True)
   with pytest.raises(optfuse.GuardError, match=r"lowered for tpu devices.*compiling_for"):
-    _hand_lowered_peak(fx, model, target.mesh)
+    _example().hand_lowered_peak(fx, model, target.mesh)
 
 
 @needs_tpu
