@@ -12,6 +12,8 @@ never through optfuse.
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -230,3 +232,12 @@ def orbax_round_trip(path, tree, template):
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             template)
     return checkpointer.restore(path, abstract)
+
+
+def load_example(name: str):
+  """The module of ``examples/<name>.py`` (the examples are files, not a package)."""
+  path = pathlib.Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"examples.{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

@@ -6,8 +6,6 @@ tools lay out the state they compile the same way (``_inputs.state_on``), so a r
 v5e 2x2 mesh is the peak of the step the user runs, not of one with the state replicated.
 """
 
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ import optfuse
 from optfuse._analysis import _memory
 from optfuse._targets import _inputs, _registry
 from optfuse.bench import _models
+from tests import models
 
 needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
                                reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
@@ -27,11 +26,7 @@ needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
 
 def _example():
   """``examples/plan_fsdp.py``: the FSDP layout and the optax step a user lowers by hand."""
-  path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "plan_fsdp.py"
-  spec = importlib.util.spec_from_file_location("examples.plan_fsdp", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return models.load_example("plan_fsdp")
 
 
 PLAN = _example()

@@ -6,8 +6,6 @@ platform of its inputs' devices while it is traced, so ``jax.jit(step).lower(...
 compiles the program ``memory_report(target=...)`` compiles, not this machine's choices.
 """
 
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ from optfuse._analysis import _memory
 from optfuse._targets import _backends, _compiled, _registry
 from optfuse.bench import _forms, _models
 from optfuse.bench._models import DecoderConfig
+from tests import models
 
 needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
                                reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
@@ -36,11 +35,7 @@ def _placed(tree, mesh):
 
 def _example():
   """``examples/hand_lowered_forms.py``: each form's peaks by memory_report and by hand."""
-  path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "hand_lowered_forms.py"
-  spec = importlib.util.spec_from_file_location("examples.hand_lowered_forms", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return models.load_example("hand_lowered_forms")
 
 
 def test_inputs_placed_on_a_platform_give_its_choices_while_traced():
