@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -28,6 +29,11 @@ from optfuse._base._checks import check_loss
 from optfuse._fuse import fuse
 
 M = TypeVar("M", bound=nnx.Module)
+
+
+def _path_key(path) -> tuple[str, ...]:
+  """A key path as names, alike whether a level is a dict, a State or a NamedTuple."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 class Optimizer(nnx.Optimizer[M]):
@@ -102,8 +108,10 @@ class Optimizer(nnx.Optimizer[M]):
     self.graph = graph
     self.step = nnx_optimizer.OptState(jnp.array(0, dtype=jnp.uint32))
     self.tx = tx
-    self.opt_state = nnx.data(nnx_optimizer.to_opt_state(
-        fused.init(nnx.state(model, wrt, graph=graph))))
+    opt_state = nnx_optimizer.to_opt_state(fused.init(nnx.state(model, wrt, graph=graph)))
+    layout = jax.tree_util.tree_flatten_with_path(nnx.as_pure(opt_state))
+    self._layout = (layout[1], tuple(_path_key(path) for path, _ in layout[0]))
+    self.opt_state = nnx.data(opt_state)
     self.wrt = wrt
     self.mode = mode
     self.global_ops = global_ops
@@ -133,6 +141,18 @@ class Optimizer(nnx.Optimizer[M]):
     updates = super().update(model, grads, **kwargs)
     self._write_opt_state(_memory_spaces.tree_like(nnx.as_pure(self.opt_state), on_host))
     return updates
+
+  def _fused_opt_state(self):
+    """``opt_state`` as arrays in the layout of the fused transformation's ``init``: NNX stores
+    a NamedTuple nested in the state's dicts (a low-bit slot's ``QuantizedSlot``) as a State
+    of its fields, which optax's duck-typed updates read but the fused step's structure check
+    refuses."""
+    pure = nnx.as_pure(self.opt_state)
+    treedef, paths = self._layout
+    if jax.tree.structure(pure) == treedef:
+      return pure
+    leaves = {_path_key(path): x for path, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
+    return jax.tree.unflatten(treedef, [leaves[path] for path in paths])
 
   def _write_opt_state(self, opt_state) -> None:
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
@@ -173,7 +193,7 @@ class Optimizer(nnx.Optimizer[M]):
 
     step = self.fused.value_and_update(pure_loss, has_aux=True)
     (loss, (aux, new_variables)), new_params, new_opt_state = step(
-        nnx.as_pure(params[0]), nnx.as_pure(self.opt_state), nnx.as_pure(variables), rest)
+        nnx.as_pure(params[0]), self._fused_opt_state(), nnx.as_pure(variables), rest)
     nnx.update(model, new_params)
     nnx.update((model, args, kwargs), new_variables)
     self._write_opt_state(new_opt_state)
@@ -191,6 +211,6 @@ class Optimizer(nnx.Optimizer[M]):
       model: the module this optimizer was built for.
     """
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-    params, opt_state = self.fused.flush(params, nnx.as_pure(self.opt_state))
+    params, opt_state = self.fused.flush(params, self._fused_opt_state())
     nnx.update(model, params)
     self._write_opt_state(opt_state)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optfuse._low_bit import _blocks, _maps
+from optfuse._low_bit import _blocks, _maps, _search
 
 BNB_DYNAMIC_SIGNED = np.array([
     -0.992968738079071, -0.9789062738418579, -0.96484375, -0.9507812261581421,
@@ -285,10 +285,43 @@ def _largest_value(jaxpr) -> int:
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantizing_never_broadcasts_a_slot_against_its_map(bits):
-  """The binary search holds arrays of the slot's size: no intermediate has 256 (or 16)
+  """The code lookup holds arrays of the slot's size: no intermediate has 256 (or 16)
   values per element of the slot, as an argmin over the map would."""
   x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
   scheme = _maps.scheme(bits, False)
   jaxpr = jax.make_jaxpr(lambda x: _blocks.dequantize(
       *_blocks.quantize(x, scheme, 256), scheme, 256, 1024))(x)
   assert _largest_value(jaxpr.jaxpr) == 64 * 1024
+
+
+def _reference_codes(y, bits: int, signed: bool):
+  """The anchors' rounding of normalized values, restated above: bitsandbytes' bucketize over
+  the midpoints, torchao's search and half-way rule."""
+  table = MAPS[bits, signed]
+  if bits == 8:
+    return np.searchsorted((table[:-1] + table[1:]) / np.float32(2), y, side="left")
+  codes = np.where(y >= table[8], 8, 0)
+  for s in (4, 2, 1):
+    codes += np.where(y >= table[codes + s], s, 0)
+  up = np.minimum(codes + 1, 15)
+  return np.where(y - table[codes] >= (table[up] - table[codes]) * np.float32(0.5), up, codes)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_bucket_lookup_rounds_every_threshold_and_its_neighbours_as_the_anchors_do(
+    bits, signed):
+  """The code lookup by float bits (``_search``) against the anchors' rounding on the values
+  where a code changes, three ulps either side, the entries, the midpoints, zeros and +-1."""
+  scheme = _maps.scheme(bits, signed)
+  table = MAPS[bits, signed]
+  points = np.concatenate([_search.thresholds(scheme), table, -table,
+                           (table[:-1] + table[1:]) / np.float32(2), [0.0, -0.0]])
+  values, up, down = [points], points, points
+  for _ in range(3):
+    up, down = np.nextafter(up, np.float32(2)), np.nextafter(down, np.float32(-2))
+    values += [up, down]
+  y = np.clip(np.concatenate(values), -1, 1).astype(np.float32)
+  got = np.asarray(jax.jit(lambda y: _search.lookup(y, scheme))(y))
+  np.testing.assert_array_equal(got, _reference_codes(y, bits, signed))
+  assert got.min() == 0 and got.max() == 2 ** bits - 1

@@ -6,9 +6,10 @@ A slot of shape ``(*lead, n)`` is cut along its last axis into ``ceil(n / block_
 stacked leaf (its layer axis leading, at position 0 or 1) has its own blocks, and a shard of the
 last axis holds whole blocks whenever its length is a multiple of ``block_size``.
 
-Codes are found by a binary search over the sorted map, one gather from the constant table and
-one ``where`` per bit, so quantizing holds a few arrays of the slot's size and never the
-``2 ** bits``-fold broadcast of comparing every value with every entry.
+Codes are looked up by the float32 bits of the normalized values (``_search``): two gathers
+from small constant tables and one comparison a value, so quantizing holds a few arrays of the
+slot's size and never the ``2 ** bits``-fold broadcast of comparing every value with every
+entry.
 
 The codes of a slot are packed into float32 *words* of bits (4 codes of 8 bits, or 8 of 4 bits,
 a word): optfuse's fused steps return a leaf's new state as the cotangents of its old state,
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optfuse._low_bit import _search
 from optfuse._low_bit._maps import Scheme
 
 WORD_BITS = 32
@@ -55,28 +57,6 @@ def words_shape(shape: tuple[int, ...], bits: int, block_size: int) -> tuple[int
 
 def scales_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
   return (*shape[:-1], num_blocks(shape[-1], block_size))
-
-
-def _search(y, scheme: Scheme):
-  """The code of each normalized value ``y``, by binary search over the sorted table."""
-  table = jnp.asarray(scheme.table)
-  bits = scheme.bits
-  steps = [2 ** k for k in reversed(range(bits))]
-  code = jnp.zeros(y.shape, jnp.int32)
-  if scheme.rounding == "nearest":
-    # The number of midpoints below y: the nearest entry, a tie taking the lower code.
-    mids = (table[:-1] + table[1:]) / 2
-    for s in steps:
-      code = jnp.where(jnp.take(mids, code + (s - 1)) < y, code + s, code)
-    return code
-  # torchao: the largest entry not above y (code 0 below the table), then up when y is at least
-  # half way to the next entry.
-  for s in steps:
-    code = jnp.where(y >= jnp.take(table, code + s) if s < 2 ** (bits - 1)
-                     else y >= table[s], code + s, code)
-  up = jnp.minimum(code + 1, 2 ** bits - 1)
-  down_value, up_value = jnp.take(table, code), jnp.take(table, up)
-  return jnp.where(y - down_value >= (up_value - down_value) * 0.5, up, code)
 
 
 def _pack(codes, bits: int):
@@ -124,7 +104,7 @@ def quantize(x, scheme: Scheme, block_size: int):
   else:
     scales = jnp.maximum(absmax, np.float32(1e-12))
     y = blocks / scales[..., None]
-  codes = _search(y, scheme).reshape(*x.shape[:-1], nb * block_size)
+  codes = _search.lookup(y, scheme).reshape(*x.shape[:-1], nb * block_size)
   return _pack(codes, scheme.bits), scales
 
 
