@@ -267,7 +267,8 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
                    args_for: Callable[[int], Any], budget_bytes: int | float | str | None = None,
                    *, target: Any = None, modes: Sequence[str] | None = None,
                    global_ops: str | None = None, microbatches: int | None = None,
-                   offload: str | None = None, progress: bool = True) -> FitReport:
+                   offload: str | None = None, state_bits: int | None = None,
+                   progress: bool = True) -> FitReport:
   """The largest batch whose compiled training step fits ``budget_bytes``, per mode.
 
   For each mode, ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` is lowered
@@ -307,6 +308,8 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     global_ops: passed to ``optfuse.fuse`` (``"two_pass"`` lets backward mode run clipping).
     offload: passed to ``optfuse.fuse``: ``"state"`` searches the steps whose optimizer state
       lives in host memory; the budget bounds device memory.
+    state_bits: 8 or 4 searches ``optfuse.low_bit(tx, bits=state_bits)`` (the state's slots in
+      8 or 4 bits); ``None`` or 32 searches ``tx`` as it is.
     microbatches: passed to ``fx.value_and_update``: each step splits its arguments into this
       many microbatches along their leading axis, so only multiples of ``microbatches`` are
       searched and every batch returned is one (``b`` is the whole step's batch, not a
@@ -328,6 +331,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     TargetError: ``target`` is unknown or its compiler is not installed.
     UnknownModeError: a mode or ``global_ops`` that ``optfuse.fuse`` does not know.
     MicrobatchError: ``microbatches`` is not a positive int or ``None``.
+    LowBitError: ``state_bits`` is not ``None``, 32, 8 or 4.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -343,6 +347,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     True
   """
   resolved = _registry.resolve(target)
+  tx = _memory.with_state_bits(tx, state_bits)
   budget, source = resolve_budget(budget_bytes, resolved)
   unit = _checks.check_microbatches(microbatches) * (1 if resolved is None else
                                                      len(resolved.devices))

@@ -16,6 +16,7 @@ it needed, instead of raising.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,11 +25,16 @@ import optax
 
 from optfuse import _fuse
 from optfuse._base import _checks
-from optfuse._base._errors import NonSeparableError, OffloadError
+from optfuse._base._errors import LowBitError, NonSeparableError, OffloadError
+from optfuse._low_bit import _transform as _low_bit
 from optfuse._targets import _backends, _inputs, _registry
 from optfuse._targets._compiled import FIELDS, HOST_FIELDS, DoesNotFit, compile_memory, format_bytes
 
 MODES = ("off", "backward", "forward")
+# What ``state_bits`` accepts: ``None`` or 32 plans ``tx`` as it is, 8 and 4 ``optfuse.low_bit``.
+STATE_BITS = (None, 32, 8, 4)
+# Bytes a step moves between host and device memory, apart from the compiler's fields.
+LINK_FIELDS = ("link_bytes",)
 
 # Errors that mean "this mode cannot run this optimizer (yet)", reported as an unavailable row.
 UNAVAILABLE_ERRORS = (NotImplementedError, NonSeparableError, OffloadError)
@@ -44,6 +50,48 @@ def first_sentence(text: str) -> str:
 def error_line(e: BaseException) -> str:
   """An exception as one table cell: its type and the first sentence of its message."""
   return f"{type(e).__name__}: {first_sentence(str(e))}"
+
+
+def with_state_bits(tx: optax.GradientTransformation, state_bits: int | None
+                    ) -> optax.GradientTransformation:
+  """The transformation a plan with ``state_bits`` compiles: ``tx`` itself for ``None`` or 32,
+  ``optfuse.low_bit(tx, bits=state_bits)`` for 8 or 4.
+
+  Raises:
+    LowBitError: ``state_bits`` is another value.
+  """
+  if state_bits is None or (state_bits == 32 and not isinstance(state_bits, bool)):
+    return tx
+  if isinstance(state_bits, bool) or state_bits not in STATE_BITS:
+    raise LowBitError(
+        f"state_bits is None or 32 (the state as tx keeps it), 8 or 4 (optfuse.low_bit(tx, "
+        f"bits=state_bits)), not {state_bits!r}.")
+  return _low_bit.low_bit(tx, bits=state_bits)
+
+
+def _aval_bytes(aval) -> int:
+  return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _host_bytes(avals) -> int:
+  return sum(_aval_bytes(a) for a in avals
+             if getattr(a, "memory_space", None) == jax.memory.Space.Host)
+
+
+def link_bytes(lowered: jax.stages.Lowered) -> int:
+  """Bytes a step moves across the host link: its host-resident inputs, each read to the device
+  once, and its host-resident outputs, each written back once.
+
+  With ``offload="state"`` those are the offloaded state (and, in forward mode, the pending
+  gradient): the fused loops read each row once and write it once, ``mode="off"`` fetches each
+  slot whole and writes it back. The count is read from the step's types, the same on every
+  backend (XLA:CPU included, whose ``host_bytes`` is 0).
+  """
+  reads = _host_bytes(jax.tree.leaves(lowered.in_avals))
+  # The output types carry their memory spaces; ``out_info`` does not (jax 0.10).
+  out_types = getattr(lowered, "_out_types", None)
+  writes = reads if out_types is None else _host_bytes(out_types[1])
+  return reads + writes
 
 
 def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
@@ -92,6 +140,20 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
   # step takes the target's per-backend choices (``_backends``).
   with jax.set_mesh(target.mesh), _backends.lowering_for(target):
     return step.lower(params, state, *args, **kwargs)
+
+
+def step_memory(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
+                kwargs: Mapping[str, Any] | None = None, has_aux: bool = False,
+                target: _registry.Target | None = None, **step_options: Any
+                ) -> dict[str, int] | DoesNotFit:
+  """The compiled memory of ``lower_step``'s step (the keys of ``FIELDS``, ``HOST_FIELDS`` and
+  ``LINK_FIELDS``), or the compiler's ``DoesNotFit`` refusal."""
+  lowered = lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=target,
+                       **step_options)
+  memory = compile_memory(lowered)
+  if isinstance(memory, DoesNotFit):
+    return memory
+  return {**memory, "link_bytes": link_bytes(lowered)}
 
 
 def mode_table(header: list[str], rows: Mapping[str, list[str]],
@@ -164,8 +226,11 @@ class MemoryReport(Mapping):
     """The report as a fixed-width text table, one line per mode."""
     header = ["mode", "peak", "temp", "arguments", "outputs", "aliased", "peak vs off"]
     host = any(row.get("host_bytes") for row in self._rows.values())
+    link = any(row.get("link_bytes") for row in self._rows.values())
     if host:
       header.insert(6, "host")
+    if link:
+      header.insert(6 + host, "link a step")
     budget = self.budget_bytes is not None
     if budget:
       header.append("fits")
@@ -173,7 +238,8 @@ class MemoryReport(Mapping):
     rows = {}
     for mode, row in self._rows.items():
       ratio = f"{row['peak_bytes'] / base:.2f}x" if base else "-"
-      rows[mode] = [mode, *(format_bytes(row[k]) for k in FIELDS + HOST_FIELDS[:host]), ratio]
+      fields = FIELDS + HOST_FIELDS[:host] + LINK_FIELDS[:link]
+      rows[mode] = [mode, *(format_bytes(row.get(k)) for k in fields), ratio]
       if budget:
         rows[mode].append("yes" if self.fits(mode) else "no")
     lines = mode_table(header, rows, self.unavailable, self.does_not_fit)
@@ -199,7 +265,7 @@ def target_budget(target: _registry.Target | None) -> tuple[str, int | None, str
 
 def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: Any, *args: Any,
                   target: Any = None, offload: str | None = None, guard: bool = False,
-                  **kwargs: Any) -> MemoryReport:
+                  state_bits: int | None = None, **kwargs: Any) -> MemoryReport:
   """Compiled memory of the optax step and of the fused steps, without running anything.
 
   Each mode's step is ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` lowered
@@ -222,12 +288,15 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       apart as ``host_bytes``.
     guard: ``True`` compiles backward mode with ``optfuse.fuse(tx, guard=True)`` (a reserved
       keyword too): its loops kept only where they lower the peak on ``target``.
+    state_bits: 8 or 4 plans ``optfuse.low_bit(tx, bits=state_bits)`` (a reserved keyword
+      too): the state's slots in 8 or 4 bits; ``None`` or 32 plans ``tx`` as it is.
     **kwargs: keyword arguments of ``loss_fn``.
 
   Returns:
     A ``MemoryReport``: a mapping from "off", "backward", "forward" to dicts with
     ``peak_bytes``, ``temp_bytes``, ``argument_bytes``, ``output_bytes`` and ``alias_bytes``
-    (device memory) and ``host_bytes`` (host memory the step uses: the offloaded state).
+    (device memory), ``host_bytes`` (host memory the step uses: the offloaded state) and
+    ``link_bytes`` (bytes the step moves across the host link: ``link_bytes``).
     A mode that cannot run ``tx`` (a non-separable transform in backward mode, a mode this
     version does not implement) is left out and its reason kept in ``report.unavailable``; a
     mode the compiler refused for want of memory is left out and kept in
@@ -236,6 +305,7 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
   Raises:
     TargetError: ``target`` is unknown or its compiler is not installed (the message names the
       pip extra that installs it).
+    LowBitError: ``state_bits`` is not ``None``, 32, 8 or 4.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -247,13 +317,13 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     True
   """
   resolved = _registry.resolve(target)
+  tx = with_state_bits(tx, state_bits)
   has_aux = loss_has_aux(loss_fn, params, *args, **kwargs)
   rows, unavailable, refused = {}, {}, {}
   for mode in MODES:
     try:
       fx = _fuse.fuse(tx, mode=mode, offload=offload, guard=guard and mode == "backward")
-      memory = compile_memory(lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
-                                         target=resolved))
+      memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=resolved)
     except UNAVAILABLE_ERRORS as e:
       unavailable[mode] = f"{type(e).__name__}: {e}"
       continue

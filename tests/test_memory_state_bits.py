@@ -1,0 +1,44 @@
+"""``state_bits`` in the planners, and the bytes a step moves across the host link."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optfuse
+from optfuse._analysis._memory import memory_report, with_state_bits
+
+ROWS, N = 8, 1024  # one leaf of 8192 elements: above low_bit's 4096, 4 blocks of 256 a row
+
+
+def _loss(p, x):
+  return jnp.mean(jnp.tanh(x @ p["w"].T) ** 2)
+
+
+PARAMS = {"w": jax.ShapeDtypeStruct((ROWS, N), jnp.float32)}
+X = jax.ShapeDtypeStruct((4, N), jnp.float32)
+
+
+def test_8_bit_state_moves_codes_of_one_byte_and_a_float_scale_a_block_across_the_link():
+  report = memory_report(_loss, optax.adamw(1e-3), PARAMS, X, offload="state", state_bits=8)
+  f32 = memory_report(_loss, optax.adamw(1e-3), PARAMS, X, offload="state")
+  slot_8 = ROWS * N * 1 + ROWS * (N // 256) * 4  # codes, then one f32 scale a block
+  slot_32 = ROWS * N * 4
+  for mode in ("off", "backward", "forward"):
+    pending = ROWS * N * 4 if mode == "forward" else 0  # forward streams the gradient too
+    # Each of mu and nu read to the device once and written back once.
+    assert report[mode]["link_bytes"] == 2 * (2 * slot_8 + pending)
+    assert f32[mode]["link_bytes"] == 2 * (2 * slot_32 + pending)
+  assert "link a step" in report.table()
+
+
+def test_state_bits_32_or_none_plans_tx_as_it_is_and_other_values_are_refused():
+  tx = optax.adamw(1e-3)
+  assert with_state_bits(tx, None) is tx and with_state_bits(tx, 32) is tx
+  for bad in (16, 2, True, "8"):
+    with pytest.raises(optfuse.LowBitError, match="state_bits"):
+      with_state_bits(tx, bad)
+  with pytest.raises(optfuse.LowBitError, match="state_bits"):
+    optfuse.max_batch_size(_loss, tx, PARAMS, lambda b: (jax.ShapeDtypeStruct((b, N),
+                                                                              jnp.float32),),
+                           "1GB", state_bits=16)
