@@ -12,6 +12,9 @@ from optfuse._analysis._fit import max_batch_size as max_batch_size
 from optfuse._analysis._memory import DoesNotFit as DoesNotFit
 from optfuse._analysis._memory import MemoryReport as MemoryReport
 from optfuse._analysis._memory import memory_report as memory_report
+from optfuse._analysis._slices import SliceFit as SliceFit
+from optfuse._analysis._slices import SliceReport as SliceReport
+from optfuse._analysis._slices import smallest_slices as smallest_slices
 from optfuse._base._errors import BudgetError as BudgetError
 from optfuse._base._errors import GuardError as GuardError
 from optfuse._base._errors import LossOutputError as LossOutputError

@@ -1,5 +1,5 @@
 """The command line of the benchmark: ``python -m optfuse.bench [--quick|--memory|--fsdp|
---what-fits|--fit [BUDGET]] [--target NAMES] [--out DIR]``."""
+--what-fits|--slices|--fit [BUDGET]] [--target NAMES] [--out DIR]``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from optfuse._analysis._fit import parse_budget
 from optfuse._base._errors import BudgetError, TargetError
 from optfuse._targets import _registry
-from optfuse.bench import _fit_table, _fsdp, _report, _suite, _what_fits
+from optfuse.bench import _fit_table, _fsdp, _report, _slices, _suite, _what_fits
 
 
 def _budget(text: str) -> int | str:
@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
   size.add_argument("--what-fits", action="store_const", dest="suite", const="what_fits",
                     help="per --target: the largest d=2048 scanned decoder (layers at batch 1, "
                     "batch at 24 layers) that fits with optax and with backward fusion")
+  size.add_argument("--slices", action="store_const", dest="suite", const="slices",
+                    help="per kind of chip among the --target slices (default: TPU v5e and v6e "
+                    "of 1, 4 and 8 chips, and the registry's GPUs): the fewest chips on which "
+                    "each step (optax, backward, backward + offload) of --model fits, data "
+                    "parallel and FSDP, and the largest batch per chip there; compile-only")
   parser.add_argument("--target", metavar="NAMES", type=_target_names,
                       help="comma-separated compile targets for the compile-only parts: cpu "
                       f"(this machine), {', '.join(_registry.SPECS)}, optionally with a topology "
@@ -87,11 +92,25 @@ def _parser() -> argparse.ArgumentParser:
                       help="comma-separated models for --fit (default "
                       f"{','.join(_fit_table.DEFAULT_MODELS)}): "
                       f"{', '.join(_fit_table.fit_models())}")
+  parser.add_argument("--model", choices=sorted(_fit_table.fit_models()),
+                      default=_slices.DEFAULT_MODEL,
+                      help=f"the decoder of --slices (default {_slices.DEFAULT_MODEL})")
+  parser.add_argument("--state-bits", type=int, choices=(8, 4),
+                      help="--slices with AdamW's state in 8 or 4 bits (optfuse.low_bit)")
   parser.add_argument("--out", metavar="DIR",
                       help="write results.json, results.md and results.png into DIR (with "
                       "--fsdp: fsdp.json and fsdp.md; with --fit: fit.json and fit.md)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   return parser
+
+
+def _quick_slices(use_cache: bool, progress: bool) -> list[dict]:
+  """The slice planner's rows for this machine's TPU or GPU; none on a machine without one."""
+  kind = _slices.accelerator_kind()
+  if kind is None:
+    return []
+  return _slices.run(_slices.DEFAULT_MODEL, _slices.kind_slices(kind),
+                     layouts=_slices.QUICK_LAYOUTS, use_cache=use_cache, progress=progress)
 
 
 def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]:
@@ -108,6 +127,10 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
                                     target=_what_fits.resolve(target))]
     write, markdown = _report.write_fit, _report.fit_markdown
     footer = f"(--fit {', '.join(names)}: {time.perf_counter() - start:.0f} s)"
+  elif args.suite == "slices":
+    rows = _slices.run(args.model, args.target or _slices.DEFAULT_TARGETS, args.state_bits,
+                       use_cache=not args.no_cache, progress=progress)
+    write, markdown, footer = _report.write_slices, _slices.markdown, ""
   elif args.suite == "what_fits":
     rows = _what_fits.run(args.target or _what_fits.default_targets(), ("layers", "batch"),
                           use_cache=not args.no_cache, progress=progress)
@@ -122,11 +145,14 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
       # four compiles a mode, 18 s each for TPU on two cores) are --what-fits'.
       fits = _what_fits.at_size(args.target or _what_fits.default_targets(),
                                 use_cache=not args.no_cache, progress=progress)
+      fits += _quick_slices(not args.no_cache, progress)
     rows = _suite.run_suite(suite, progress=progress,
                             targets=tuple(_what_fits.resolve(t) for t in targets))
     rows += [{**row, **{k: rows[0][k] for k in _suite.ENV_KEYS}} for row in fits]
     write, markdown = _report.write, _report.markdown
     footer = f"({suite.name} suite: {time.perf_counter() - start:.0f} s)"
+    if suite.name == "quick" and _slices.accelerator_kind() is None:
+      footer = f"{_slices.POINTER}\n{footer}"
   return rows, write, markdown, footer
 
 

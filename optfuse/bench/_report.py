@@ -12,7 +12,7 @@ import matplotlib.patches
 from matplotlib.figure import Figure
 
 from optfuse._analysis._memory import format_bytes
-from optfuse.bench import _what_fits
+from optfuse.bench import _slices, _what_fits
 
 FLOOR_NOTE = (
     "Floor (estimate): optax's compiled peak minus the whole gradient plus the gradient that must "
@@ -187,7 +187,11 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += ["**On the accelerators** (compile-only, so exact and deterministic for these "
             "versions; the largest depth and batch that fit: `python -m optfuse.bench "
             "--what-fits`):", "", *_what_fits.sized_lines(sized), ""]
-  out += summary([r for r in rows if r["section"] not in ("fits", "sized")])
+  slices = [r for r in rows if r["section"] == "slices"]
+  if slices:
+    out += [f"**The smallest slice of this machine's chip** ({slices[0]['model']}, AdamW, FSDP; "
+            "compile-only; `--slices` for every kind):", "", str(_slices.report_of(slices)), ""]
+  out += summary([r for r in rows if r["section"] not in ("fits", "sized", "slices")])
   timing = [r for r in rows if r["section"] == "timing"]
   if timing:
     out += _section(
@@ -278,6 +282,11 @@ def what_fits_markdown(rows: Sequence[dict[str, Any]]) -> str:
 def write_what_fits(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
   """Writes ``what_fits.json`` and ``what_fits.md`` into ``out_dir``; returns name -> path."""
   return write_tables(rows, out_dir, "what_fits", what_fits_markdown)
+
+
+def write_slices(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
+  """Writes ``slices.json`` and ``slices.md`` into ``out_dir``; returns name -> path."""
+  return write_tables(rows, out_dir, "slices", _slices.markdown)
 
 
 def write_fit(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:

@@ -1,0 +1,40 @@
+"""The slice planner's choices that need no compiler: the FSDP axis of a leaf and the refusals.
+
+The planner's answers on TPU slices come from compiles of minutes for the bench's decoders;
+docs/targets.md has their tables and commands.
+"""
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optfuse
+from optfuse._analysis import _slices
+
+
+def test_fsdp_shards_the_largest_axis_the_chips_divide_and_never_a_stacked_layer_axis():
+  assert _slices.fsdp_axis((32000, 2048), 4) == 0
+  assert _slices.fsdp_axis((24, 2048, 8192), 4) == 2
+  assert _slices.fsdp_axis((24, 2048), 8) == 1
+  assert _slices.fsdp_axis((2048, 2048), 4) == 0  # the first of equal axes, as bench._fsdp
+  assert _slices.fsdp_axis((64, 8), 8, stacked=True) == 1
+  assert _slices.fsdp_axis((3, 5), 4) is None
+
+
+def _plan(**kwargs):
+  loss = lambda p, x: jnp.mean(x * p["w"])
+  return optfuse.smallest_slices(loss, optax.sgd(0.1), {"w": jnp.ones(())},
+                                 lambda b: (jnp.ones((b,)),), **kwargs)
+
+
+def test_unknown_layouts_steps_and_targets_are_refused_by_name():
+  with pytest.raises(optfuse.TargetError, match=r"unknown layouts \['zero3'\]"):
+    _plan(targets=("tpu-v5e",), layouts=("zero3",))
+  with pytest.raises(optfuse.UnknownModeError, match=r"unknown steps \['forward'\]"):
+    _plan(targets=("tpu-v5e",), steps=("forward",))
+  with pytest.raises(optfuse.TargetError, match="unknown compile target 'tpu-v9'"):
+    _plan(targets=("tpu-v9",))
+  with pytest.raises(optfuse.TargetError, match="names of optfuse.targets"):
+    _plan(targets=(object(),))
+  with pytest.raises(optfuse.LowBitError):
+    _plan(targets=("tpu-v5e",), state_bits=3)
