@@ -105,3 +105,52 @@ def test_an_init_that_explicit_sharding_rejects_is_laid_out_by_shape():
   state = _inputs.state_on(init, params, resolved)
   assert state["mu"]["w"].sharding.spec == P("fsdp", None)
   assert state["flat"].sharding.spec == P()
+
+
+def _slots_with_params(params, slots) -> list:
+  """``(param, slot)`` pairs of a state's per-param slots (a slot: an array or QuantizedSlot)."""
+  pairs = []
+  jax.tree.map(lambda p, s: pairs.append((p, s)), params, slots)
+  return pairs
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_low_bit_codes_and_scales_on_an_fsdp_mesh_are_sharded_like_their_params(decoder):
+  mesh, _, params, _ = decoder
+  block = 256
+  tx = optfuse.low_bit(optax.adamw(1e-3), bits=8, block_size=block)
+  adam = _inputs.state_on(tx.init, params, _registry.resolve(mesh))[0]
+  quantized = [(p, s) for slots in (adam.mu, adam.nu) for p, s in _slots_with_params(params, slots)
+               if isinstance(s, optfuse.QuantizedSlot)]
+  assert quantized  # the decoder's matrices are quantized, its small leaves stay float32
+  crossing = 0
+  for p, slot in quantized:
+    # Blocks run along a row's last axis: codes and scales keep every other axis's sharding,
+    # and the last axis's where each shard holds whole blocks; where a block would cross two
+    # shards, that axis is gathered (as XLA must to quantize the block).
+    spec = (*p.sharding.spec, *(None,) * (len(p.shape) - len(p.sharding.spec)))
+    whole = spec[-1] is None or p.shape[-1] % (mesh.size * block) == 0
+    crossing += not whole
+    want = P(*spec) if whole else P(*spec[:-1], None)
+    assert slot.codes.sharding.spec == want, p.shape
+    assert slot.scales.sharding.spec == want, p.shape
+  assert 0 < crossing < len(quantized)  # the tiny decoder's 768-wide qkv crosses, others do not
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_an_8_bit_state_on_an_fsdp_mesh_is_planned_sharded_not_replicated(decoder):
+  mesh, model, params, batch = decoder
+  tx = optax.adamw(1e-3)
+  f32 = optfuse.memory_report(model.loss, tx, params, *batch, target=mesh)
+  low = optfuse.memory_report(model.loss, tx, params, *batch, target=mesh, state_bits=8)
+  params_per_device = 4 * _models._num_params(model.params) / mesh.size
+  f32_state = f32["backward"]["argument_bytes"] - params_per_device
+  low_state = low["backward"]["argument_bytes"] - params_per_device
+  # mu and nu, each sharded like its param (the few leaves no chip count divides replicated)
+  assert f32_state == pytest.approx(2 * params_per_device, rel=0.01)
+  # A quarter of the bytes, and the codes of the 768-wide leaves (whose blocks would cross
+  # shards) whole on every chip: under half. Planned replicated, the 8-bit state on each of
+  # the four chips would be as large as f32's sharded one.
+  assert low_state < 0.5 * f32_state

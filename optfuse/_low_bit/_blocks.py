@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from optfuse._low_bit import _search
 from optfuse._low_bit._maps import Scheme
@@ -59,10 +61,61 @@ def scales_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
   return (*shape[:-1], num_blocks(shape[-1], block_size))
 
 
+def _explicit_spec(x) -> tuple | None:
+  """The spec of ``x``, one entry an axis, when it is sharded under ``AxisType.Explicit`` (as
+  the planner traces ``init`` for an FSDP mesh, or a user's program under ``jax.set_mesh``);
+  ``None`` otherwise, where XLA chooses the layout of every reshape."""
+  sharding = jax.typeof(x).sharding
+  if AxisType.Explicit not in tuple(getattr(sharding.mesh, "axis_types", ())):
+    return None
+  return (*sharding.spec, *(None,) * (x.ndim - len(sharding.spec)))
+
+
+def _shards(x, entry) -> int:
+  names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  return math.prod(jax.typeof(x).sharding.mesh.shape[name] for name in names)
+
+
+def _on(x, spec) -> NamedSharding:
+  return NamedSharding(jax.typeof(x).sharding.mesh, PartitionSpec(*spec))
+
+
+def _whole_last(x):
+  """``x`` with its last axis unsharded (gathered), under Explicit sharding."""
+  spec = _explicit_spec(x)
+  if spec is None or spec[-1] is None:
+    return x
+  return jax.sharding.reshard(x, _on(x, (*spec[:-1], None)))
+
+
+def _split_last(x, size: int):
+  """``x`` of shape ``(*lead, m)`` as ``(*lead, m // size, size)``. Under Explicit sharding
+  the groups take the last axis's sharding when its shards hold whole groups; otherwise that
+  axis is gathered first (a block would cross shards)."""
+  shape = (*x.shape[:-1], x.shape[-1] // size, size)
+  spec = _explicit_spec(x)
+  if spec is None:
+    return x.reshape(shape)
+  if shape[-2] % _shards(x, spec[-1]):
+    x, spec = _whole_last(x), (*spec[:-1], None)
+  return lax.reshape(x, shape, out_sharding=_on(x, (*spec, None)))
+
+
+def _merge_last(x):
+  """``x`` of shape ``(*lead, a, b)`` as ``(*lead, a * b)``, sharded as its ``a`` axis."""
+  shape = (*x.shape[:-2], x.shape[-2] * x.shape[-1])
+  spec = _explicit_spec(x)
+  if spec is None:
+    return x.reshape(shape)
+  if spec[-1] is not None:
+    x = jax.sharding.reshard(x, _on(x, (*spec[:-1], None)))
+  return lax.reshape(x, shape, out_sharding=_on(x, spec[:-1]))
+
+
 def _pack(codes, bits: int):
   """Codes ``(*lead, m)`` (m a multiple of the codes a word) to float32 words."""
   per = codes_per_word(bits)
-  grouped = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+  grouped = _split_last(codes.astype(jnp.uint32), per)
   shifts = jnp.broadcast_to(_shifts(bits), grouped.shape)  # full shape: a row of it is a row
   words = jnp.bitwise_or.reduce(jnp.left_shift(grouped, shifts), axis=-1)
   return lax.bitcast_convert_type(words, jnp.float32)
@@ -74,7 +127,7 @@ def _unpack(words, bits: int):
   per = codes_per_word(bits)
   shifts = jnp.broadcast_to(_shifts(bits), (*grouped.shape[:-1], per))
   codes = jnp.right_shift(jnp.broadcast_to(grouped, shifts.shape), shifts) & mask
-  return codes.reshape(*words.shape[:-1], words.shape[-1] * per)
+  return _merge_last(codes)
 
 
 def quantize(x, scheme: Scheme, block_size: int):
@@ -92,8 +145,9 @@ def quantize(x, scheme: Scheme, block_size: int):
   n = x.shape[-1]
   nb = num_blocks(n, block_size)
   if nb * block_size != n:
+    x = _whole_last(x)  # a shard of the last axis holds whole blocks only when none is padded
     x = lax.pad(x, np.float32(0), [(0, 0, 0)] * (x.ndim - 1) + [(0, nb * block_size - n, 0)])
-  blocks = x.reshape(*x.shape[:-1], nb, block_size)
+  blocks = _split_last(x, block_size)
   absmax = jnp.max(jnp.abs(blocks), axis=-1)
   if scheme.scaling == "reciprocal":
     scales = absmax
@@ -104,7 +158,7 @@ def quantize(x, scheme: Scheme, block_size: int):
   else:
     scales = jnp.maximum(absmax, np.float32(1e-12))
     y = blocks / scales[..., None]
-  codes = _search.lookup(y, scheme).reshape(*x.shape[:-1], nb * block_size)
+  codes = _merge_last(_search.lookup(y, scheme))
   return _pack(codes, scheme.bits), scales
 
 
@@ -112,7 +166,7 @@ def dequantize(words, scales, scheme: Scheme, block_size: int, n: int, dtype=jnp
   """The values ``quantize`` stands for: ``table[code] * scale``, cut to ``n`` along the last
   axis, in ``dtype``."""
   codes = _unpack(words, scheme.bits)
-  nb = scales.shape[-1]
-  values = jnp.take(jnp.asarray(scheme.table), codes.reshape(*codes.shape[:-1], nb, block_size))
-  values = (values * scales[..., None]).reshape(*codes.shape[:-1], nb * block_size)
+  # An unpacked code is below 2 ** bits, the table's length: always in bounds.
+  values = _search.table_get(scheme.table, _split_last(codes, block_size), "promise_in_bounds")
+  values = _merge_last(values * scales[..., None])
   return values[..., :n].astype(dtype)

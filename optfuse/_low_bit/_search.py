@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -99,12 +100,24 @@ def _buckets(table: bytes, rounding: str, scaling: str) -> Buckets:
   return Buckets(Scheme(np.frombuffer(table, F32), rounding, scaling))
 
 
+def table_get(table: np.ndarray, index, mode: str):
+  """``table[index]``, sharded like ``index``.
+
+  The output sharding is spelled out because under ``AxisType.Explicit`` sharding (how the
+  planner traces ``init`` with FSDP params' shardings in their types) a gather from an
+  unsharded table into a sharded index is refused as ambiguous. ``mode`` is ``"clip"`` where an
+  index may fall outside the table, ``"promise_in_bounds"`` where it cannot: ``"fill"``, ``take``'s
+  default, adds a select over the whole output (a full-size temporary in a stacked update).
+  """
+  return jnp.asarray(table).at[index].get(mode=mode, out_sharding=jax.typeof(index).sharding)
+
+
 def lookup(y, scheme: Scheme):
   """The code (int32) of each value of ``y`` (float32 in [-1, 1]) under ``scheme``."""
   b = _buckets(scheme.table.tobytes(), scheme.rounding, scheme.scaling)
   u = jnp.maximum(lax.bitcast_convert_type(jnp.abs(y), jnp.int32) - np.int32(b.floor),
                   np.int32(0))
   index = jnp.right_shift(jnp.where(y < 0, -u, u), np.int32(b.shift)) + np.int32(b.offset)
-  below = jnp.take(jnp.asarray(b.below), index, mode="clip")
-  inside = jnp.take(jnp.asarray(b.inside), index, mode="clip")
+  below = table_get(b.below, index, "clip")
+  inside = table_get(b.inside, index, "clip")
   return below + (y >= inside).astype(jnp.int32)

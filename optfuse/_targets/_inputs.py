@@ -77,7 +77,7 @@ def _one_mesh(shardings: list[NamedSharding], target: Target) -> Mesh | None:
 
 
 def _explicit(mesh: Mesh) -> Mesh:
-  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * mesh.ndim)
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
 
 
 def _layout_in_types(init: Callable[[Any], Any], params: Any, mesh: Mesh) -> Any:
