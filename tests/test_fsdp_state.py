@@ -138,6 +138,7 @@ def test_low_bit_codes_and_scales_on_an_fsdp_mesh_are_sharded_like_their_params(
   assert 0 < crossing < len(quantized)  # the tiny decoder's 768-wide qkv crosses, others do not
 
 
+@pytest.mark.slow
 @needs_tpu
 @pytest.mark.targets
 def test_an_8_bit_state_on_an_fsdp_mesh_is_planned_sharded_not_replicated(decoder):
