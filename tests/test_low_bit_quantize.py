@@ -261,18 +261,40 @@ def test_4_bit_quantization_is_torchaos_4_bit_adamw_bit_for_bit(signed):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_partial_last_block_is_quantized_as_a_block_of_its_own_values(bits):
+def test_a_last_axis_not_a_multiple_of_the_block_is_cut_into_equal_blocks(bits):
+  """``2 * block + 37`` values a row are three blocks of equal length (a multiple of 8, at most
+  ``block``), each quantized as its own values, padded with fewer than 8 zeros a block."""
   block = _maps.DEFAULT_BLOCK_SIZE[bits]
   scheme = _maps.scheme(bits, True)
-  x = jax.random.normal(jax.random.key(0), (3, 2 * block + 37))
+  n = 2 * block + 37
+  x = jax.random.normal(jax.random.key(0), (3, n))
+  b = _blocks.leaf_block(n, block)
+  assert b <= block and b % 8 == 0 and 0 <= 3 * b - n < 3 * 8
   words, scales = _blocks.quantize(x, scheme, block)
-  assert words.shape == _blocks.words_shape(x.shape, bits, block) == (3, 3 * block * bits // 32)
+  assert words.shape == _blocks.words_shape(x.shape, bits, block) == (3, 3 * b * bits // 32)
   assert scales.shape == _blocks.scales_shape(x.shape, block) == (3, 3)
-  tail_words, tail_scales = _blocks.quantize(x[:, 2 * block:], scheme, block)
-  np.testing.assert_array_equal(scales[:, 2:], tail_scales)
-  np.testing.assert_array_equal(words[:, -tail_words.shape[-1]:], tail_words)
-  got = _blocks.dequantize(words, scales, scheme, block, x.shape[-1])
+  padded = jnp.pad(x, ((0, 0), (0, 3 * b - n)))
+  per_block = b * bits // 32
+  for k in range(3):
+    block_words, block_scales = _blocks.quantize(padded[:, k * b:(k + 1) * b], scheme, block)
+    np.testing.assert_array_equal(scales[:, k:k + 1], block_scales)
+    np.testing.assert_array_equal(words[:, k * per_block:(k + 1) * per_block], block_words)
+  got = _blocks.dequantize(words, scales, scheme, block, n)
   assert got.shape == x.shape
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_row_shorter_than_the_block_is_one_block_of_its_own_length(bits):
+  """A 64-wide row's codes take 64 codes' bytes, not a ``block`` padded with zeros."""
+  block, scheme = _maps.DEFAULT_BLOCK_SIZE[bits], _maps.scheme(bits, False)
+  x = jnp.abs(jax.random.normal(jax.random.key(1), (5, 64)))
+  words, scales = _blocks.quantize(x, scheme, block)
+  assert words.shape == (5, 64 * bits // 32) and scales.shape == (5, 1)
+  np.testing.assert_array_equal(scales[:, 0], jnp.max(x, axis=-1))
+  got = _blocks.dequantize(words, scales, scheme, block, 64)
+  # Within a step of the map: 1/16 of the absmax for 4 bits' linear map, 1/128 for 8 bits'.
+  step = jnp.max(x, axis=-1, keepdims=True) / (16 if bits == 4 else 128)
+  assert bool(jnp.all(jnp.abs(got - x) <= step))
 
 
 def _largest_value(jaxpr) -> int:

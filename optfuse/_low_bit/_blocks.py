@@ -1,10 +1,13 @@
 """Block quantization along the last axis: a float slot to packed codes and one scale a block.
 
-A slot of shape ``(*lead, n)`` is cut along its last axis into ``ceil(n / block_size)`` blocks
-(the last one padded with zeros, which change no block's absmax): the scales have shape
-``(*lead, ceil(n / block_size))``. Blocks never cross an index of a leading axis, so a row of a
-stacked leaf (its layer axis leading, at position 0 or 1) has its own blocks, and a shard of the
-last axis holds whole blocks whenever its length is a multiple of ``block_size``.
+A slot of shape ``(*lead, n)`` is cut along its last axis into ``ceil(n / block_size)`` equal
+blocks of ``leaf_block(n, block_size)`` values: at most ``block_size``, a multiple of 8, the
+last block padded with zeros (which change no block's absmax), fewer than 8 a block. The scales
+have shape ``(*lead, ceil(n / block_size))``. A row shorter than ``block_size`` is one block of
+its own length, so a 64-wide leaf's 8-bit codes take 64 bytes a row, not 256. Blocks never
+cross an index of a leading axis, so a row of a stacked leaf (its layer axis leading, at
+position 0 or 1) has its own blocks, and a shard of the last axis holds whole blocks whenever
+its length is a multiple of the block.
 
 Codes are looked up by the float32 bits of the normalized values (``_search``): two gathers
 from small constant tables and one comparison a value, so quantizing holds a few arrays of the
@@ -51,10 +54,17 @@ def num_blocks(n: int, block_size: int) -> int:
   return math.ceil(n / block_size)
 
 
+def leaf_block(n: int, block_size: int) -> int:
+  """The values a block of a last axis of length ``n``: ``n`` split into ``num_blocks`` equal
+  blocks, rounded up to a multiple of 8 (``block_size`` itself when it divides ``n``)."""
+  return 8 * math.ceil(math.ceil(n / num_blocks(n, block_size)) / 8)
+
+
 def words_shape(shape: tuple[int, ...], bits: int, block_size: int) -> tuple[int, ...]:
   """The shape of the packed codes of a slot of ``shape``."""
   n = shape[-1]
-  return (*shape[:-1], num_blocks(n, block_size) * block_size // codes_per_word(bits))
+  return (*shape[:-1], num_blocks(n, block_size) * leaf_block(n, block_size)
+          // codes_per_word(bits))
 
 
 def scales_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
@@ -136,14 +146,14 @@ def quantize(x, scheme: Scheme, block_size: int):
   Args:
     x: a float array of rank at least 1.
     scheme: the map and rounding (``_maps.scheme``).
-    block_size: values a block; a multiple of 8.
+    block_size: the most values a block; a multiple of 8 (``leaf_block`` gives the block).
 
   Returns:
     ``(words, scales)``: float32 arrays of shapes ``words_shape`` and ``scales_shape``.
   """
   x = x.astype(jnp.float32)
   n = x.shape[-1]
-  nb = num_blocks(n, block_size)
+  nb, block_size = num_blocks(n, block_size), leaf_block(n, block_size)
   if nb * block_size != n:
     x = _whole_last(x)  # a shard of the last axis holds whole blocks only when none is padded
     x = lax.pad(x, np.float32(0), [(0, 0, 0)] * (x.ndim - 1) + [(0, nb * block_size - n, 0)])
@@ -165,7 +175,7 @@ def quantize(x, scheme: Scheme, block_size: int):
 def dequantize(words, scales, scheme: Scheme, block_size: int, n: int, dtype=jnp.float32):
   """The values ``quantize`` stands for: ``table[code] * scale``, cut to ``n`` along the last
   axis, in ``dtype``."""
-  codes = _unpack(words, scheme.bits)
+  codes, block_size = _unpack(words, scheme.bits), leaf_block(n, block_size)
   # An unpacked code is below 2 ** bits, the table's length: always in bounds.
   values = _search.table_get(scheme.table, _split_last(codes, block_size), "promise_in_bounds")
   values = _merge_last(values * scales[..., None])

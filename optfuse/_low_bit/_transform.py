@@ -35,7 +35,8 @@ class QuantizedSlot(NamedTuple):
 
   Attributes:
     codes: the codes packed into float32 words of bits (``_blocks``), shape
-      ``(*shape[:-1], ceil(n / block_size) * block_size * bits // 32)``.
+      ``(*shape[:-1], ceil(n / block_size) * leaf_block * bits // 32)``, where ``leaf_block``
+      (at most ``block_size``) splits ``n`` into equal blocks of a multiple of 8 values.
     scales: one float32 scale a block, shape ``(*shape[:-1], ceil(n / block_size))``.
   """
 
@@ -111,10 +112,12 @@ def low_bit(inner: optax.GradientTransformation, bits: int = 8, block_size: int 
             ) -> optax.GradientTransformation:
   """Holds the float slots of an elementwise transformation's state in 8 or 4 bits.
 
-  Each quantized slot is cut along its last axis into blocks of ``block_size`` values, each
-  stored as one float32 scale (its absmax) and ``bits``-bit codes: with 8 bits, bitsandbytes'
-  dynamic maps (signed for first moments, unsigned for second moments); with 4 bits, torchao's
-  4-bit AdamW maps (signed dynamic for first moments, linear without zero for second moments).
+  Each quantized slot is cut along its last axis into blocks of at most ``block_size`` values
+  (a last axis of ``n`` values into ``ceil(n / block_size)`` equal blocks, each a multiple of
+  8, so a short row is not padded to ``block_size``), each stored as one float32 scale (its
+  absmax) and ``bits``-bit codes: with 8 bits, bitsandbytes' dynamic maps (signed for first
+  moments, unsigned for second moments); with 4 bits, torchao's 4-bit AdamW maps (signed
+  dynamic for first moments, linear without zero for second moments).
   ``update`` dequantizes the slots, runs ``inner.update`` and quantizes its new slots. The step
   count, non-float leaves and slots of fewer than 4096 elements stay as ``inner`` keeps them.
 
@@ -123,8 +126,8 @@ def low_bit(inner: optax.GradientTransformation, bits: int = 8, block_size: int 
       param and updated from that param's own elements (Adam, AdamW, Lion, SGD with momentum,
       RMSProp...).
     bits: 8 or 4.
-    block_size: values a block, a positive multiple of 8; ``None`` takes the anchors' default,
-      256 for 8 bits and 128 for 4 bits.
+    block_size: the most values a block, a positive multiple of 8; ``None`` takes the
+      anchors' default, 256 for 8 bits and 128 for 4 bits.
     min_size: float slots of fewer elements stay as ``inner`` keeps them (bitsandbytes'
       ``min_8bit_size``): their codes and scales would save little, and their blocks would be
       mostly padding.
