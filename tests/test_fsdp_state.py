@@ -155,3 +155,18 @@ def test_an_8_bit_state_on_an_fsdp_mesh_is_planned_sharded_not_replicated(decode
   # shards) whole on every chip: under half. Planned replicated, the 8-bit state on each of
   # the four chips would be as large as f32's sharded one.
   assert low_state < 0.5 * f32_state
+
+
+@needs_tpu
+@pytest.mark.targets
+@pytest.mark.parametrize("bits", [8, 4])
+def test_low_bit_state_laid_out_for_an_fsdp_mesh_is_updated_row_by_row_in_the_loop(decoder, bits):
+  """Under ``AxisType.Explicit`` the low-bit reshapes and lookups name their shardings (JAX
+  inserts ``reshard`` equations): each has a row rule, so the stacked leaves still update
+  inside the backward loop, not whole after it."""
+  mesh, model, params, batch = decoder
+  tx = optfuse.low_bit(optax.adamw(1e-3), bits=bits)
+  with jax.set_mesh(mesh), optfuse.compiling_for(mesh):
+    placements = optfuse.describe(tx, model.loss, params, *batch)
+  stacked = [path for path in placements if path.startswith("['layers']")]
+  assert stacked and all(placements[path] == "loop" for path in stacked), placements.reasons

@@ -20,6 +20,8 @@ from optfuse._jaxpr import _interpreter, _rows
 
 L = 4
 _MESH = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+_EXPLICIT = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                          devices=jax.devices()[:1])
 
 # name -> (function of stacked inputs, input shapes and dtypes, stacked axis of the inputs).
 # Shapes are given for stacked axis 0; axis-1 cases move the axis (see ``_inputs``).
@@ -81,6 +83,9 @@ CASES: dict[str, tuple] = {
                     [((L, 3, 5), F32), ((L, 5, 2), F32)]),
     "sharding_constraint": (lambda x: jax.lax.with_sharding_constraint(
         x, NamedSharding(_MESH, P(None, "x"))), [((L, 3, 5), F32)]),
+    # As low-bit state's reshapes and lookups emit under ``AxisType.Explicit``.
+    "reshard": (lambda x: jax.sharding.reshard(x, NamedSharding(_EXPLICIT, P(None, "x"))),
+                [((L, 3, 5), F32)]),
     **{name: (lambda x, name=name: getattr(lax, f"{name}")(x, axis=2), [((L, 3, 5), F32)])
        for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
     **{f"reduce_{name}": (lambda x, name=name: getattr(jnp, name)(x, axis=(1, 2)),

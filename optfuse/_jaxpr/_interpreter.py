@@ -21,10 +21,12 @@ from typing import Any
 
 import jax
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: DCE through cond/calls
+from jax._src.pjit import reshard_p  # jax.sharding.reshard's primitive (not in jax.extend)
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
 Deps = frozenset
+RESHARD_P: jcore.Primitive = reshard_p
 
 # Higher-order primitives whose body is a single jaxpr taking the same operands as the equation
 # itself, with the name of the param that holds it: dependencies are followed through the body

@@ -34,7 +34,13 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
-from optfuse._jaxpr._interpreter import CALL_PRIMITIVES, Interpreter, bind_shared, call_body
+from optfuse._jaxpr._interpreter import (
+    CALL_PRIMITIVES,
+    RESHARD_P,
+    Interpreter,
+    bind_shared,
+    call_body,
+)
 
 
 class NotRowwise(Exception):
@@ -191,6 +197,19 @@ def _sharding_constraint(eqn, axes, length):
   return RowParams(params, (None,), (a,))
 
 
+def _reshard(eqn, axes, length):
+  """A reshard (``jax.sharding.reshard``, as low-bit state's reshapes and table lookups emit
+  under ``AxisType.Explicit``): the row takes the target sharding of its other axes."""
+  del length
+  a = _unary(eqn, axes)
+  dst = eqn.params["dst_sharding"]
+  rank = len(_shape(eqn.invars[0]))
+  spec = (*dst.spec, *(None,) * (rank - len(dst.spec)))
+  row = jax.sharding.NamedSharding(dst.mesh, jax.sharding.PartitionSpec(*spec[:a], *spec[a + 1:]),
+                                   memory_kind=dst.memory_kind)
+  return RowParams(dict(eqn.params, dst_sharding=row), (None,), (a,))
+
+
 def _dot_general(eqn, axes, length):
   del length
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -279,6 +298,7 @@ ROW_RULES: dict[jcore.Primitive, RowRule] = {
     P.concatenate_p: _along("dimension"),
     P.dot_general_p: _dot_general,
     P.sharding_constraint_p: _sharding_constraint,
+    RESHARD_P: _reshard,
     P.bitcast_convert_type_p: _bitcast_convert_type,
     P.pad_p: _pad,
     P.gather_p: _gather,
