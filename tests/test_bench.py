@@ -214,6 +214,26 @@ def test_what_fits_reports_offload_beside_each_mode_on_accelerator_targets():
   assert "backward + offload: layers" in table and "| 15 | 21 | 47 |" in table
 
 
+def test_what_fits_with_state_bits_adds_low_bit_state_on_device_and_in_host_memory():
+  from optfuse.bench import _what_fits
+  assert _what_fits.modes_of("cpu", state_bits=8) == (*_what_fits.MODES, "backward_8bit")
+  assert _what_fits.modes_of("tpu-v5e", state_bits=4) == (
+      *_what_fits.MODES, _what_fits.OFFLOAD, "backward_4bit", "backward_offload_4bit")
+  assert _what_fits.STEPS["backward_offload_8bit"] == ("backward", "state", 8)
+  row = lambda mode, best: {"target": "h100", "target_label": "h100", "axis": "layers",
+                            "mode": mode, "max": best, "dim": 2048, "seq": 2048,
+                            "batch_layers": 24, "params_at_max": "1B", "budget_bytes": 64e9,
+                            "budget_source": "test"}
+  rows = [row("off", 60), row("backward", 80), row(_what_fits.OFFLOAD, 200),
+          row("backward_8bit", 150), row("backward_offload_8bit", 210)]
+  line = _what_fits.lines(rows)[0]
+  assert "8-bit state 150 layers" in line and "8-bit state in host memory 210 layers" in line
+  table = _what_fits.markdown(rows)
+  # One column a mode present, in STEPS' order; the 4-bit modes, absent, take none.
+  assert "| backward 8-bit: layers | backward + offload 8-bit: layers |" in table
+  assert "4-bit" not in table and "| 60 | 80 | 200 | 150 | 210 |" in table
+
+
 def test_a_fit_that_raises_is_recorded_as_failed_rows_not_raised(monkeypatch):
   def broken(*args, **kwargs):
     raise ValueError("a library bug. More detail here.")

@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                       default=_slices.DEFAULT_MODEL,
                       help=f"the decoder of --slices (default {_slices.DEFAULT_MODEL})")
   parser.add_argument("--state-bits", type=int, choices=(8, 4),
-                      help="--slices with AdamW's state in 8 or 4 bits (optfuse.low_bit)")
+                      help="--slices with AdamW's state in 8 or 4 bits (optfuse.low_bit); "
+                      "--what-fits with those rows added")
   parser.add_argument("--out", metavar="DIR",
                       help="write results.json, results.md and results.png into DIR (with "
                       "--fsdp: fsdp.json and fsdp.md; with --fit: fit.json and fit.md)")
@@ -133,7 +134,8 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
     write, markdown, footer = _report.write_slices, _slices.markdown, ""
   elif args.suite == "what_fits":
     rows = _what_fits.run(args.target or _what_fits.default_targets(), ("layers", "batch"),
-                          use_cache=not args.no_cache, progress=progress)
+                          use_cache=not args.no_cache, progress=progress,
+                          state_bits=args.state_bits)
     write, markdown = _report.write_what_fits, _report.what_fits_markdown
     footer = f"(--what-fits: {time.perf_counter() - start:.0f} s)"
   else:

@@ -39,14 +39,29 @@ MODES = ("off", "backward")
 OFFLOAD = "backward_offload"
 LABELS = {"off": "optax", "backward": "backward fusion",
           OFFLOAD: "backward fusion, state in host memory"}
-STEPS = {"off": ("off", None), "backward": ("backward", None), OFFLOAD: ("backward", "state")}
+# mode -> (the step's mode, its offload, its state bits: ``optfuse.low_bit`` AdamW, or None).
+STEPS = {"off": ("off", None, None), "backward": ("backward", None, None),
+         OFFLOAD: ("backward", "state", None)}
+for _bits in (8, 4):
+  STEPS[f"backward_{_bits}bit"] = ("backward", None, _bits)
+  STEPS[f"{OFFLOAD}_{_bits}bit"] = ("backward", "state", _bits)
+  LABELS[f"backward_{_bits}bit"] = f"backward fusion, {_bits}-bit state"
+  LABELS[f"{OFFLOAD}_{_bits}bit"] = f"backward fusion, {_bits}-bit state in host memory"
+SHORT = {"off": "optax", "backward": "backward", OFFLOAD: "backward + offload",
+         **{f"backward_{b}bit": f"backward {b}-bit" for b in (8, 4)},
+         **{f"{OFFLOAD}_{b}bit": f"backward + offload {b}-bit" for b in (8, 4)}}
 
 
-def modes_of(name: str, offload: bool = True) -> tuple[str, ...]:
+def modes_of(name: str, offload: bool = True, state_bits: int | None = None
+             ) -> tuple[str, ...]:
   """The modes searched on target ``name``: with ``offload``, backward fusion with the state in
   host memory too where its compiler counts host memory apart (every accelerator's, not
-  XLA:CPU's)."""
-  return MODES + ((OFFLOAD,) if offload and resolve(name) is not None else ())
+  XLA:CPU's); with ``state_bits``, backward fusion with AdamW's state in that many bits, on
+  device and (with ``offload``) in host memory."""
+  host = offload and resolve(name) is not None
+  low = () if state_bits is None else (f"backward_{state_bits}bit",) + (
+      (f"{OFFLOAD}_{state_bits}bit",) if host else ())
+  return MODES + ((OFFLOAD,) if host else ()) + low
 
 
 def default_targets() -> tuple[str, ...]:
@@ -75,8 +90,9 @@ class Peaks:
     if self.bar is not None:
       self.bar.set_postfix_str(f"{name} {mode} {c.layers}L B{c.batch}")
     model = _models.decoder(c, scanned=True, remat=True)
-    step_mode, offload = STEPS[mode]
-    fx = _fuse.fuse(optax.adamw(1e-3), mode=step_mode, offload=offload)
+    step_mode, offload, bits = STEPS[mode]
+    fx = _fuse.fuse(_memory.with_state_bits(optax.adamw(1e-3), bits), mode=step_mode,
+                    offload=offload)
     lowered = _memory.lower_step(fx, model.loss,
                                  _models.abstract(model.params), _models.abstract(model.batch),
                                  target=resolve(name))
@@ -91,6 +107,7 @@ class Peaks:
   def save(self) -> None:
     if self.use_cache and self.new:
       _cache.store(self.new)
+      self.new = {}
 
 
 def _guesses(previous: dict[int, int | None], budget: int, default: tuple[int, int]
@@ -126,10 +143,13 @@ def search(name: str, mode: str, axis: str, peaks: Peaks, budget: int,
 
 def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool = True,
         progress: bool = True, config: DecoderConfig = WIDE,
-        budget: int | None = None, offload: bool = True) -> list[dict[str, Any]]:
+        budget: int | None = None, offload: bool = True, state_bits: int | None = None,
+        only: Sequence[str] | None = None) -> list[dict[str, Any]]:
   """One row per (target, axis, mode): the largest depth or batch of ``config`` that fits each
   target's memory (or ``budget``, for tests), and its peaks; ``offload``: also with the state in
-  host memory (``modes_of``)."""
+  host memory, ``state_bits``: also with the state in low bits (``modes_of``); ``only``: just
+  these of those modes. Each search's compiles are cached as it ends, so an interrupted run
+  resumes where it stopped."""
   rows, previous = [], {}
   with tqdm(desc="optfuse.bench what fits", unit="compile", disable=not progress) as bar:
     peaks = Peaks(use_cache, bar)
@@ -139,9 +159,12 @@ def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool
         label, memory, source = _memory.target_budget(resolve(name))
         memory, source = (memory, source) if budget is None else (budget, "given")
         for axis in axes:
-          for mode in modes_of(name, offload):
+          for mode in modes_of(name, offload, state_bits):
+            if only is not None and mode not in only:
+              continue
             best, seen = search(name, mode, axis, peaks, memory, previous.get((axis, mode)),
                                 config)
+            peaks.save()
             previous[(axis, mode)] = seen
             at = config._replace(**({"layers": best, "batch": 1} if axis == "layers"
                                     else {"batch": best}))
@@ -183,6 +206,8 @@ def lines(rows: Sequence[dict[str, Any]], axis: str = "layers") -> list[str]:
             f"{off['batch_layers']}-layer d={off['dim']} decoder, T={off['seq']}")
     host = (f"; with the state in host memory {_describe(got[OFFLOAD])}" if OFFLOAD in got
             else "")
+    host += "".join(f"; {LABELS[m].removeprefix('backward fusion, ')} {_describe(got[m])}"
+                    for m in STEPS if m in got and STEPS[m][2] is not None)
     out.append(f"- **{off['target_label']}** ({_memory.format_bytes(off['budget_bytes'])} per "
                f"device): largest {what} with AdamW: optax {_describe(off)}, backward fusion "
                f"{_describe(fused)} ({gain}){host}")
@@ -191,15 +216,16 @@ def lines(rows: Sequence[dict[str, Any]], axis: str = "layers") -> list[str]:
 
 def markdown(rows: Sequence[dict[str, Any]], header: Callable[[], str] | None = None) -> str:
   """The what-fits table: per target, the largest depth and batch of each mode."""
-  out = ["| target | memory per device | budget from | optax: layers | backward: layers "
-         "| backward + offload: layers | optax: batch at 24 layers | backward: batch at 24 layers "
-         "| backward + offload: batch at 24 layers |",
-         "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+  modes = [m for m in STEPS if any(r["mode"] == m for r in rows)]
+  columns = [(a, m) for a in ("layers", "batch") for m in modes]
+  out = ["| target | memory per device | budget from | "
+         + " | ".join(f"{SHORT[m]}: {'layers' if a == 'layers' else 'batch at 24 layers'}"
+                      for a, m in columns) + " |",
+         "|---|---:|---|" + "---:|" * len(columns)]
   for name in dict.fromkeys(r["target"] for r in rows):
     cell = {(r["axis"], r["mode"]): r for r in rows if r["target"] == name}
     first = next(iter(cell.values()))
-    values = [str(cell[(a, m)]["max"]) if (a, m) in cell else "-"
-              for a in ("layers", "batch") for m in (*MODES, OFFLOAD)]
+    values = [str(cell[c]["max"]) if c in cell else "-" for c in columns]
     out.append(f"| {first['target_label']} | {_memory.format_bytes(first['budget_bytes'])} "
                f"| {first['budget_source']} | " + " | ".join(values) + " |")
   return "\n".join(out) + "\n"
