@@ -76,3 +76,22 @@ def test_penzai_layer_stack_trains_like_optax_with_and_without_the_guard():
   pytest.importorskip("penzai")
   example = _load("penzai_layer_stack")
   assert all(diff < TOL for diff in example.train_check(steps=3).values())
+
+
+# With ``-m slow`` (about a minute of compiles): ``tests/test_low_bit*.py`` check the
+# transformation itself by default.
+@pytest.mark.slow
+def test_low_bit_quality_study_reports_every_variant_and_writes_its_plot(tmp_path):
+  example = _load("low_bit_quality")
+  out = example.run(quick=True, plot_path=tmp_path / "quality.png")
+  assert [r["variant"] for r in out["table"]] == ["f32", "8-bit", "4-bit"]
+  assert all(np.isfinite(r["mean"]) for r in out["table"])
+  errors = {(e["bits"], e["block_size"]): e for e in out["errors"]}
+  for block in example.BLOCK_SIZES:
+    # 8-bit codes resolve a slot about ten times finer than 4-bit ones.
+    assert errors[8, block]["mu"] < errors[4, block]["mu"] / 5
+    assert errors[8, block]["nu"] < errors[4, block]["nu"] / 5
+  trained = out["bytes"]["trained (CONFIG)"]
+  assert trained["8-bit"] < 0.27 * trained["f32"] and trained["4-bit"] < 0.14 * trained["f32"]
+  assert (tmp_path / "quality.png").stat().st_size > 0
+  assert "| 8-bit |" in example.markdown(out)
