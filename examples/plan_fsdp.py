@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import optfuse
 from optfuse._analysis import _memory
-from optfuse.bench import _fsdp, _models
+from optfuse.bench import _models
 from optfuse.bench._models import DecoderConfig
 
 SIZES = {
@@ -41,7 +41,7 @@ def fsdp_inputs(model: _models.Model, mesh: jax.sharding.Mesh) -> tuple:
 
   def place(path, x):
     spec = [None] * len(x.shape)
-    at = _fsdp.shard_axis(x.shape, "layers" in jax.tree_util.keystr(path), mesh.size)
+    at = optfuse.fsdp_axis(x.shape, mesh.size, stacked="layers" in jax.tree_util.keystr(path))
     if at is not None:
       spec[at] = axis
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec)))

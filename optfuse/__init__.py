@@ -14,6 +14,7 @@ from optfuse._analysis._memory import MemoryReport as MemoryReport
 from optfuse._analysis._memory import memory_report as memory_report
 from optfuse._analysis._slices import SliceFit as SliceFit
 from optfuse._analysis._slices import SliceReport as SliceReport
+from optfuse._analysis._slices import fsdp_axis as fsdp_axis
 from optfuse._analysis._slices import smallest_slices as smallest_slices
 from optfuse._base._errors import BudgetError as BudgetError
 from optfuse._base._errors import GuardError as GuardError

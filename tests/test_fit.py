@@ -197,3 +197,28 @@ def test_a_search_of_more_than_a_few_compiles_shows_a_bar_if_tqdm_is_installed(
                                  modes=["off"])
   assert small == {"off": 8} and len(small.peaks["off"]) > _fit.QUIET_COMPILES
   assert ("optfuse.max_batch_size" in capsys.readouterr().err) == tqdm_installed
+
+
+def test_a_cap_bounds_the_search_and_the_report_says_the_cap_was_reached(adamw_fit):
+  budget, fit, _ = adamw_fit
+  cap = fit["backward"] - 1  # backward fits above it, so the cap answers; optax stops below
+  capped = optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, budget,
+                                  modes=["off", "backward"], max_batch=cap, progress=False)
+  assert fit["off"] < cap and capped["off"] == fit["off"] and not capped.capped("off")
+  assert capped["backward"] == cap and capped.capped("backward")
+  assert capped.next_batch("backward") is None and max(capped.peaks["backward"]) == cap
+  assert f"searched up to batch {cap}" in str(capped) and "not tried (the cap)" in str(capped)
+
+
+@pytest.mark.parametrize("cap", [0, -3, 2.5, True, "8"])
+def test_a_cap_that_is_not_a_positive_int_raises_budget_error_before_compiling(cap):
+  with pytest.raises(optfuse.BudgetError, match="max_batch must be an int of at least 1"):
+    optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, "1GB", max_batch=cap)
+
+
+def test_a_cap_is_searched_in_multiples_of_the_microbatches():
+  fit = optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, "1GB", modes="backward",
+                               microbatches=2, max_batch=7, progress=False)
+  assert fit["backward"] == 6 and fit.capped("backward") and fit.max_batch == 6
+  with pytest.raises(optfuse.BudgetError, match="at least 2"):
+    optfuse.max_batch_size(_loss, ADAMW, PARAMS, _args_for, "1GB", microbatches=2, max_batch=1)

@@ -4,21 +4,25 @@ The planner's answers on TPU slices come from compiles of minutes for the bench'
 docs/targets.md has their tables and commands.
 """
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 import optfuse
-from optfuse._analysis import _slices
+from optfuse._targets import _registry
+
+needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
+                               reason="the TPU compiler (libtpu) is not installed")
 
 
 def test_fsdp_shards_the_largest_axis_the_chips_divide_and_never_a_stacked_layer_axis():
-  assert _slices.fsdp_axis((32000, 2048), 4) == 0
-  assert _slices.fsdp_axis((24, 2048, 8192), 4) == 2
-  assert _slices.fsdp_axis((24, 2048), 8) == 1
-  assert _slices.fsdp_axis((2048, 2048), 4) == 0  # the first of equal axes, as bench._fsdp
-  assert _slices.fsdp_axis((64, 8), 8, stacked=True) == 1
-  assert _slices.fsdp_axis((3, 5), 4) is None
+  assert optfuse.fsdp_axis((32000, 2048), 4) == 0
+  assert optfuse.fsdp_axis((24, 2048, 8192), 4) == 2
+  assert optfuse.fsdp_axis((24, 2048), 8) == 1
+  assert optfuse.fsdp_axis((2048, 2048), 4) == 0  # the first of equal axes, as bench._fsdp
+  assert optfuse.fsdp_axis((64, 8), 8, stacked=True) == 1
+  assert optfuse.fsdp_axis((3, 5), 4) is None
 
 
 def _plan(**kwargs):
@@ -38,3 +42,19 @@ def test_unknown_layouts_steps_and_targets_are_refused_by_name():
     _plan(targets=(object(),))
   with pytest.raises(optfuse.LowBitError):
     _plan(targets=("tpu-v5e",), state_bits=3)
+  with pytest.raises(optfuse.BudgetError, match="max_batch_per_chip must be a positive int"):
+    _plan(targets=("tpu-v5e",), max_batch_per_chip=0)
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_a_model_far_smaller_than_the_chip_answers_the_cap_on_one_chip_in_three_compiles():
+  params = {"w": jax.ShapeDtypeStruct((512, 512), jnp.float32)}
+  loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+  report = optfuse.smallest_slices(
+      loss, optax.adamw(1e-3), params, lambda b: (jax.ShapeDtypeStruct((b, 512), jnp.float32),),
+      ("tpu-v5e", "tpu-v5e:2x2"), layouts=("fsdp",), steps=("backward",), max_batch_per_chip=64,
+      progress=False)
+  (row,) = report
+  assert (row.target, row.chips, row.batch_per_chip, row.capped) == ("tpu-v5e", 1, 64, True)
+  assert report.compiles == 3 and "64 (the cap)" in str(report)

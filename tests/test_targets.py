@@ -111,9 +111,10 @@ def test_a_gpu_budget_is_the_share_jax_preallocates(monkeypatch):
 @given(base=st.integers(0, 1000), slope=st.integers(0, 60), budget=st.integers(0, 6000),
        wobble=st.lists(st.integers(0, 40), min_size=400, max_size=400),
        refused_from=st.one_of(st.none(), st.integers(1, 300)),
-       guess=st.integers(1, 300), hint=st.one_of(st.none(), st.floats(0.5, 100)))
+       guess=st.integers(1, 300), hint=st.one_of(st.none(), st.floats(0.5, 100)),
+       cap=st.one_of(st.none(), st.integers(0, 399)))
 def test_the_affine_search_is_exact_for_any_monotone_peak_and_asks_each_point_once(
-    base, slope, budget, wobble, refused_from, guess, hint):
+    base, slope, budget, wobble, refused_from, guess, hint, cap):
   peaks = np.cumsum(wobble) + base + slope * np.arange(400)
   asked = []
 
@@ -125,9 +126,18 @@ def test_the_affine_search_is_exact_for_any_monotone_peak_and_asks_each_point_on
 
   fits = lambda k: 1 <= k < 400 and not (refused_from and k >= refused_from) and (
       peaks[k] <= budget)
-  got = _fit.largest_affine(peak, budget, 1, (guess, guess + 1), hint)
+  got = _fit.largest_affine(peak, budget, 1, (guess, guess + 1), hint, upper=cap)
+  if cap is not None:  # nothing above the cap is asked; the cap answers when it fits
+    assert max(asked, default=0) <= cap and got <= cap
+    fits = lambda k, below=fits: k <= cap and below(k)
   assert (got == 0 and not fits(1)) or (fits(got) and not fits(got + 1))
   assert len(asked) == len(set(asked))
+
+
+def test_a_cap_that_fits_is_found_in_three_compiles():
+  asked = []
+  got = _fit.largest_affine(lambda k: asked.append(k) or 1000 + 37 * k, 5000, 1, (1, 2), upper=50)
+  assert got == 50 and asked == [1, 2, 50]
 
 
 def test_an_affine_peak_is_found_in_four_compiles():

@@ -103,6 +103,7 @@ class FitReport(Mapping):
     does_not_fit: mode -> {batch: the compiler's ``DoesNotFit``} for every batch the compiler
       refused for want of memory (those batches are absent from ``peaks``).
     unavailable: mode -> why it could not be compiled.
+    max_batch: the largest batch searched, or ``None`` (no cap); see ``capped``.
   """
 
   def __init__(self, batches: Mapping[str, int], peaks: Mapping[str, Mapping[int, int]],
@@ -110,7 +111,7 @@ class FitReport(Mapping):
                microbatches: int | None = None, *,
                does_not_fit: Mapping[str, Mapping[int, _memory.DoesNotFit]] | None = None,
                target: str | None = None, budget_source: str = "given",
-               multiple: int | None = None):
+               multiple: int | None = None, max_batch: int | None = None):
     self._batches = dict(batches)
     self.peaks = {mode: dict(sorted(p.items())) for mode, p in peaks.items()}
     self.does_not_fit = {mode: dict(sorted(r.items())) for mode, r in (does_not_fit or {}).items()
@@ -121,6 +122,7 @@ class FitReport(Mapping):
     self.target = target
     self.microbatches = microbatches
     self.multiple = multiple or microbatches or 1
+    self.max_batch = max_batch
 
   def __getitem__(self, mode: str) -> int:
     return self._batches[mode]
@@ -131,9 +133,15 @@ class FitReport(Mapping):
   def __len__(self) -> int:
     return len(self._batches)
 
-  def next_batch(self, mode: str) -> int:
-    """The smallest batch larger than ``self[mode]`` that the search tried: it does not fit."""
-    return self._batches[mode] + self.multiple
+  def capped(self, mode: str) -> bool:
+    """Whether ``mode`` fits at ``max_batch``, the cap of the search: larger batches were not
+    tried, so they may fit too."""
+    return self.max_batch is not None and self._batches[mode] == self.max_batch
+
+  def next_batch(self, mode: str) -> int | None:
+    """The smallest batch larger than ``self[mode]`` that the search tried: it does not fit
+    (``None`` when ``mode`` reached the cap ``max_batch`` and no larger batch was tried)."""
+    return None if self.capped(mode) else self._batches[mode] + self.multiple
 
   def table(self) -> str:
     """The report as a fixed-width text table, one line per mode."""
@@ -142,10 +150,11 @@ class FitReport(Mapping):
     for mode, batch in self._batches.items():
       nxt, peaks = self.next_batch(mode), self.peaks[mode]
       refused = self.does_not_fit.get(mode, {})
-      its_peak = (f"compiler: needs {_memory.format_bytes(refused[nxt].needed_bytes)}"
+      its_peak = ("not tried (the cap)" if nxt is None else
+                  f"compiler: needs {_memory.format_bytes(refused[nxt].needed_bytes)}"
                   if nxt in refused else _memory.format_bytes(peaks.get(nxt)))
-      rows[mode] = [mode, str(batch), _memory.format_bytes(peaks.get(batch)), str(nxt),
-                    its_peak, str(len(peaks) + len(refused))]
+      rows[mode] = [mode, str(batch), _memory.format_bytes(peaks.get(batch)),
+                    "-" if nxt is None else str(nxt), its_peak, str(len(peaks) + len(refused))]
     title = (f"largest batch within {_memory.format_bytes(self.budget_bytes)} "
              f"({self.budget_bytes} bytes) of compiled peak memory")
     if self.target is not None:
@@ -154,6 +163,8 @@ class FitReport(Mapping):
       title += f", in multiples of {self.microbatches} microbatches"
     if self.multiple != (self.microbatches or 1):
       title += f", in multiples of {self.multiple} (the batch split over the devices)"
+    if self.max_batch is not None:
+      title += f", searched up to batch {self.max_batch}"
     return "\n".join([title, *_memory.mode_table(header, rows, self.unavailable)])
 
   def __str__(self) -> str:
@@ -197,9 +208,11 @@ class _Progress:
 
 
 def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 1,
-                   guesses: Sequence[int] = (1, 2), slope: float | None = None) -> int:
+                   guesses: Sequence[int] = (1, 2), slope: float | None = None,
+                   upper: int | None = None) -> int:
   """The largest ``k >= lower`` with ``peak(k) <= budget`` (``lower - 1`` if none), for a peak
-  that grows with ``k`` and is close to affine in it (a scanned model's depth).
+  that grows with ``k`` and is close to affine in it (a scanned model's depth). With ``upper``,
+  ``k`` is at most ``upper`` and nothing above it is asked (``upper`` is returned if it fits).
 
   ``peak(k)`` is the compiled peak, or ``None`` where the compiler refused ``k`` for want of
   memory. The search asks ``guesses`` first (a good guess and the one after it answer in two
@@ -229,11 +242,14 @@ def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 
       return a + int((budget - known[a]) // rate)
     return 2 * max(lo, 1) if hi is None else (lo + hi) // 2
 
-  lo, hi, queue, tries = lower - 1, None, [g for g in guesses if g >= lower], 3
+  lo, hi, tries = lower - 1, None if upper is None else max(upper, lower - 1) + 1, 3
+  queue = [g for g in guesses if g >= lower and (upper is None or g <= upper)]
   while hi is None or hi - lo > 1:
     aimed = not queue and (hi is None or tries > 0)
     probe = queue.pop(0) if queue else secant() if aimed else (lo + hi) // 2
-    if aimed and (probe < lo or (hi is not None and probe >= hi)):
+    if aimed and hi is not None and probe >= hi and hi not in known:
+      probe = hi - 1  # the secant points past the cap: ask the cap itself
+    elif aimed and (probe < lo or (hi is not None and probe >= hi)):
       # The secant points outside the bracket: the peaks are not affine there (the compiler
       # keeps small buffers out of device memory, say), so halve the bracket instead.
       probe = 2 * max(lo, 1) if hi is None else (lo + hi) // 2
@@ -244,6 +260,18 @@ def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 
     else:
       hi = probe
   return lo
+
+
+def _cap(max_batch: int | None, unit: int) -> int | None:
+  """``max_batch`` in multiples of ``unit``, checked."""
+  if max_batch is None:
+    return None
+  if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < unit:
+    raise BudgetError(
+        f"max_batch must be an int of at least {unit} (the devices the batch is split over times "
+        f"the microbatches: the smallest batch searched), got {max_batch!r}; pass None to "
+        "search without a cap.")
+  return max_batch // unit
 
 
 def resolve_budget(budget_bytes: int | float | str | None, target: _registry.Target | None
@@ -268,7 +296,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
                    *, target: Any = None, modes: Sequence[str] | None = None,
                    global_ops: str | None = None, microbatches: int | None = None,
                    offload: str | None = None, state_bits: int | None = None,
-                   progress: bool = True) -> FitReport:
+                   max_batch: int | None = None, progress: bool = True) -> FitReport:
   """The largest batch whose compiled training step fits ``budget_bytes``, per mode.
 
   For each mode, ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` is lowered
@@ -314,6 +342,9 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
       many microbatches along their leading axis, so only multiples of ``microbatches`` are
       searched and every batch returned is one (``b`` is the whole step's batch, not a
       microbatch's).
+    max_batch: the largest batch to search (rounded down to a multiple of the devices times
+      the microbatches): a mode whose step fits at ``max_batch`` answers ``max_batch``
+      (``report.capped(mode)``) and nothing larger is compiled. ``None``: no cap.
     progress: show a progress bar (tqdm, when installed) once a search has compiled more than
       a few times.
 
@@ -327,7 +358,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   Raises:
     BudgetError: ``budget_bytes`` cannot be read, or is not given for a target whose memory is
       unknown, or ``args_for(2 * k)`` is no larger than ``args_for(k)`` (no budget would stop
-      the search).
+      the search), or ``max_batch`` is not an int at least the smallest batch searched.
     TargetError: ``target`` is unknown or its compiler is not installed.
     UnknownModeError: a mode or ``global_ops`` that ``optfuse.fuse`` does not know.
     MicrobatchError: ``microbatches`` is not a positive int or ``None``.
@@ -351,6 +382,7 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   budget, source = resolve_budget(budget_bytes, resolved)
   unit = _checks.check_microbatches(microbatches) * (1 if resolved is None else
                                                      len(resolved.devices))
+  cap = _cap(max_batch, unit)
   modes = (modes,) if isinstance(modes, str) else tuple(_memory.MODES if modes is None else modes)
   fused = lambda mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops, offload=offload)
   if _args_bytes(_as_args(args_for(2 * unit))) <= _args_bytes(_as_args(args_for(unit))):
@@ -379,7 +411,8 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   try:
     for mode in modes:
       try:
-        batches[mode] = unit * largest_affine(lambda k, mode=mode: peak(mode, unit * k), budget)
+        batches[mode] = unit * largest_affine(lambda k, mode=mode: peak(mode, unit * k), budget,
+                                              upper=cap)
       except _memory.UNAVAILABLE_ERRORS as e:
         unavailable[mode] = f"{type(e).__name__}: {e}"
         del peaks[mode], refused[mode]
@@ -387,4 +420,5 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     bar.close()
   name = _memory.target_budget(resolved)[0]
   return FitReport(batches, peaks, unavailable, budget, microbatches, does_not_fit=refused,
-                   target=name, budget_source=source, multiple=unit)
+                   target=name, budget_source=source, multiple=unit,
+                   max_batch=None if cap is None else cap * unit)

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optfuse._analysis import _fit, _memory
-from optfuse._base._errors import TargetError, UnknownModeError
+from optfuse._base._errors import BudgetError, TargetError, UnknownModeError
 from optfuse._low_bit import _transform as _low_bit
 from optfuse._targets import _registry
 
@@ -49,8 +49,8 @@ def fsdp_axis(shape: Sequence[int], chips: int, stacked: bool | None = None) -> 
     The largest axis that ``chips`` divides (the first of equal ones), or ``None`` if none.
 
   Examples:
-    >>> from optfuse._analysis._slices import fsdp_axis
-    >>> fsdp_axis((32000, 2048), 4), fsdp_axis((24, 2048, 8192), 4), fsdp_axis((3, 5), 4)
+    >>> import optfuse as fx
+    >>> fx.fsdp_axis((32000, 2048), 4), fx.fsdp_axis((24, 2048, 8192), 4), fx.fsdp_axis((3, 5), 4)
     (0, 2, None)
   """
   skip = len(shape) >= 3 if stacked is None else stacked
@@ -86,6 +86,8 @@ class SliceFit(NamedTuple):
     budget_bytes: the memory per chip the step must fit.
     tried: the slices compiled for, fewest chips first.
     unavailable: why the step cannot run the optimizer, or ``None``.
+    capped: whether ``batch_per_chip`` is the cap of the search (``max_batch_per_chip``), so
+      a larger batch was not tried and may fit too.
   """
 
   kind: str
@@ -98,6 +100,7 @@ class SliceFit(NamedTuple):
   budget_bytes: int | None
   tried: tuple[str, ...] = ()
   unavailable: str | None = None
+  capped: bool = False
 
 
 class SliceReport(tuple):
@@ -119,7 +122,8 @@ class SliceReport(tuple):
     for f in self:
       where = f.unavailable or f.target or f"none of {', '.join(f.tried) or 'none'}"
       lines.append(f"| {f.kind} | {f.layout} | {f.step} | {where} | {f.chips or '-'} "
-                   f"| {f.batch_per_chip or '-'} | {_memory.format_bytes(f.peak_bytes)} "
+                   f"| {f.batch_per_chip or '-'}{' (the cap)' if f.capped else ''} "
+                   f"| {_memory.format_bytes(f.peak_bytes)} "
                    f"| {_memory.format_bytes(f.budget_bytes)} |")
     return "\n".join(lines)
 
@@ -152,7 +156,8 @@ def _first_fit(kind: str, layout: str, step: str, slices: Sequence[_registry.Tar
     if fit[mode]:
       chips = len(target.devices)
       return SliceFit(kind, layout, step, target.name, chips, fit[mode] // chips,
-                      fit.peaks[mode][fit[mode]], budget, tuple(tried))
+                      fit.peaks[mode][fit[mode]], budget, tuple(tried),
+                      capped=fit.capped(mode))
     if layout == "data":
       break  # every chip holds the whole model, its state and one example on any slice
   return SliceFit(kind, layout, step, None, 0, 0, None, budget, tuple(tried))
@@ -174,7 +179,8 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
                     *, layouts: Sequence[str] = LAYOUTS, steps: Sequence[str] = tuple(STEPS),
                     budget_bytes: int | str | None = None,
                     shard_axis: Callable[[tuple, int], int | None] = fsdp_axis,
-                    state_bits: int | None = None, progress: bool = True) -> SliceReport:
+                    state_bits: int | None = None, max_batch_per_chip: int | None = None,
+                    progress: bool = True) -> SliceReport:
   """For each kind of chip among ``targets``, the fewest chips on which each step fits.
 
   Every slice is compiled for, never run: a step fits a slice when its compiled peak per chip at
@@ -200,6 +206,9 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
     shard_axis: the axis FSDP shards a leaf along (``fsdp_axis`` by default).
     state_bits: 8 or 4 to hold the optimizer state in that many bits
       (``optfuse.low_bit(tx, bits=state_bits)``); ``None`` keeps ``tx`` as it is.
+    max_batch_per_chip: the largest batch per chip to search: a step that fits it there
+      answers it (``SliceFit.capped``) without compiling larger batches, which bounds the
+      compiles for a model far smaller than the chips. ``None``: no cap.
     progress: show ``max_batch_size``'s progress bar during long searches.
 
   Returns:
@@ -211,6 +220,7 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
       unknown layout.
     UnknownModeError: an unknown step.
     LowBitError: ``state_bits`` other than ``None``, 8 or 4.
+    BudgetError: ``max_batch_per_chip`` is not a positive int.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -227,6 +237,10 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
     params, args_for, ["tpu-v5e", "tpu-v5e:2x2"]))`` prints the table (docs/targets.md).
   """
   _check(layouts, steps)
+  if max_batch_per_chip is not None and (isinstance(max_batch_per_chip, bool) or not isinstance(
+      max_batch_per_chip, int) or max_batch_per_chip < 1):
+    raise BudgetError(f"max_batch_per_chip must be a positive int or None (no cap), got "
+                      f"{max_batch_per_chip!r}.")
   tx = tx if state_bits is None else _low_bit.low_bit(tx, bits=state_bits)
   kinds = _by_kind(targets)
   cache: dict[tuple, _fit.FitReport] = {}
@@ -239,6 +253,8 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
       placed = params if layout == "data" or single else _fsdp(params, target, shard_axis)
       cache[key] = _fit.max_batch_size(loss_fn, tx, placed, args_for, budget_bytes,
                                        target=target, modes=(mode,), offload=offload,
+                                       max_batch=None if max_batch_per_chip is None else
+                                       max_batch_per_chip * len(target.devices),
                                        progress=progress)
     return cache[key]
 

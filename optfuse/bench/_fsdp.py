@@ -63,22 +63,6 @@ def model_for(size: str) -> Model:
   return _models.decoder(SIZES[size], scanned=True, remat=True, name=f"decoder_{size}")
 
 
-def shard_axis(shape: Sequence[int], stacked: bool, devices: int) -> int | None:
-  """The axis FSDP shards a leaf of ``shape`` along, or ``None`` to replicate it.
-
-  Args:
-    shape: the leaf's shape.
-    stacked: whether axis 0 is a scanned layer axis (never sharded).
-    devices: the size of the mesh axis.
-
-  Returns:
-    The largest axis that ``devices`` divides (the first of equal ones), skipping axis 0 of
-    stacked leaves; ``None`` when there is none.
-  """
-  axes = [a for a in range(1 if stacked else 0, len(shape)) if shape[a] % devices == 0]
-  return max(axes, key=lambda a: shape[a], default=None)
-
-
 def _is_stacked(path) -> bool:
   return any(getattr(k, "key", None) == "layers" for k in path)
 
@@ -90,7 +74,7 @@ def param_specs(params, devices: int) -> Any:
   """
 
   def spec(path, leaf):
-    axis = shard_axis(leaf.shape, _is_stacked(path), devices)
+    axis = optfuse.fsdp_axis(leaf.shape, devices, stacked=_is_stacked(path))
     return P() if axis is None else P(*(AXIS if a == axis else None for a in range(axis + 1)))
 
   return jax.tree_util.tree_map_with_path(spec, params, is_leaf=_models._is_leaf)

@@ -79,7 +79,7 @@ def run(model: str, targets: Sequence[str], state_bits: int | None = None,
 def report_of(rows: Sequence[dict[str, Any]]) -> SliceReport:
   """The ``SliceReport`` of ``rows`` (as ``run`` returns them)."""
   return SliceReport([SliceFit(**{k: tuple(r[k]) if k == "tried" else r[k]
-                                  for k in SliceFit._fields}) for r in rows])
+                                  for k in SliceFit._fields if k in r}) for r in rows])
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
