@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+import optfuse
 from optfuse._analysis._memory import FIELDS, HOST_FIELDS, LINK_FIELDS, memory_report
 
 # 4 x (16384 x 16384) float32 weights: 4.3 GB of params, 12.9 GB with adamw's mu and nu, and the
@@ -79,6 +80,21 @@ def test_a_mode_that_cannot_run_the_optimizer_is_reported_unavailable_with_the_r
   assert "off" in report
   backward_line = next(line for line in str(report).splitlines() if line.startswith("backward"))
   assert "unavailable: NonSeparableError" in backward_line
+
+
+def test_two_pass_gives_a_clipped_optimizer_a_backward_row_and_is_refused_with_offload():
+  params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32),
+            "b": jax.ShapeDtypeStruct((4,), jnp.float32)}
+  x = jax.ShapeDtypeStruct((2, 8), jnp.float32)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  loss = lambda p, x: jnp.sum(x @ p["w"] + p["b"])
+  report = memory_report(loss, tx, params, x, global_ops="two_pass")
+  assert {"off", "backward", "forward"} <= set(report) and not report.unavailable
+  offloaded = memory_report(loss, tx, params, x, global_ops="two_pass", offload="state")
+  assert offloaded.unavailable["backward"].startswith("OffloadError: ")
+  assert {"off", "forward"} <= set(offloaded)
+  with pytest.raises(optfuse.UnknownModeError, match="unknown global_ops 'three_pass'"):
+    memory_report(loss, tx, params, x, global_ops="three_pass")
 
 
 def test_memory_report_passes_keyword_arguments_and_detects_aux_outputs():

@@ -265,7 +265,8 @@ def target_budget(target: _registry.Target | None) -> tuple[str, int | None, str
 
 def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: Any, *args: Any,
                   target: Any = None, offload: str | None = None, guard: bool = False,
-                  state_bits: int | None = None, **kwargs: Any) -> MemoryReport:
+                  state_bits: int | None = None, global_ops: str | None = None,
+                  **kwargs: Any) -> MemoryReport:
   """Compiled memory of the optax step and of the fused steps, without running anything.
 
   Each mode's step is ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` lowered
@@ -290,6 +291,8 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       keyword too): its loops kept only where they lower the peak on ``target``.
     state_bits: 8 or 4 plans ``optfuse.low_bit(tx, bits=state_bits)`` (a reserved keyword
       too): the state's slots in 8 or 4 bits; ``None`` or 32 plans ``tx`` as it is.
+    global_ops: passed to ``optfuse.fuse`` (a reserved keyword too): ``"two_pass"`` compiles
+      backward mode as two passes, so a clipped ``tx`` reports a backward row.
     **kwargs: keyword arguments of ``loss_fn``.
 
   Returns:
@@ -322,7 +325,8 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
   rows, unavailable, refused = {}, {}, {}
   for mode in MODES:
     try:
-      fx = _fuse.fuse(tx, mode=mode, offload=offload, guard=guard and mode == "backward")
+      fx = _fuse.fuse(tx, mode=mode, offload=offload, guard=guard and mode == "backward",
+                      global_ops=global_ops if mode == "backward" else None)
       memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=resolved)
     except UNAVAILABLE_ERRORS as e:
       unavailable[mode] = f"{type(e).__name__}: {e}"
