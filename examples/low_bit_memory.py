@@ -6,10 +6,12 @@ prints one markdown table per table asked:
 
 - ``state``: backward fusion with and without ``offload="state"``, per model, target and bits;
 - ``clip``: ``clip_by_global_norm(1.0)`` before AdamW on the 1.3B decoder: optax, two-pass
-  backward fusion and forward fusion with the state and pending gradient streamed, per bits;
-- ``hide``: from the ``state`` rows, the bytes a step moves across the host link per parameter
-  and the tokens a step above which that transfer hides behind compute (docs/offload.md's cost
-  model).
+  backward fusion, forward fusion, and forward fusion with the state and pending gradient
+  streamed, per bits (docs/modes.md);
+- ``hide``: the 1.3B decoder's backward fusion with ``offload="state"``: the bytes a step moves
+  across the host link, and the tokens a step above which that transfer hides behind compute on
+  each GPU of the registry (docs/offload.md's cost model, with NVIDIA's published figures:
+  arithmetic, not a timing).
 
 Usage::
 
@@ -44,10 +46,17 @@ STATE_STEPS = {"backward": ("backward", None, None, False),
                "backward + offload": ("backward", "state", None, False)}
 CLIP_STEPS = {"optax": ("off", None, None, True),
               "two-pass backward": ("backward", None, "two_pass", True),
+              "forward": ("forward", None, None, True),
               "forward + offload": ("forward", "state", None, True)}
-# Published peak dense bf16 FLOP/s and host-link bandwidth each way (docs/offload.md).
-ACCELERATORS = {"h100": ("H100 SXM", 989e12, 64e9, "PCIe Gen5 x16"),
-                "tpu-v5e": ("TPU v5e", 197e12, 32e9, "PCIe Gen4 x16")}
+HIDE_STEPS = {"backward + offload": STATE_STEPS["backward + offload"]}
+# NVIDIA's datasheets: dense bf16 (T4: fp16) tensor FLOP/s, and the PCIe host link's bytes/s
+# each way (half the bidirectional figure they print). Google publishes no host-link figure for
+# its TPUs, so they have no row.
+GPUS = {"T4": (65e12, 16e9, "PCIe Gen3 x16"), "L4": (121e12, 32e9, "PCIe Gen4 x16"),
+        "A100 SXM": (312e12, 32e9, "PCIe Gen4 x16"), "H100 SXM": (989e12, 64e9, "PCIe Gen5 x16"),
+        "H200 SXM": (989e12, 64e9, "PCIe Gen5 x16")}
+# FLOPs a step spends per parameter and token: 6 (forward and backward). Remat adds a forward
+# (8), which hides more, so 6 is the conservative count.
 FLOPS_PER_PARAM_TOKEN = 6
 
 
@@ -116,23 +125,27 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def hide_markdown(rows: list[dict[str, Any]]) -> str:
-  """Per accelerator and bits: link bytes a step per parameter, and the tokens a step above
-  which the transfer hides (``bytes each way / bandwidth <= 6 params tokens / FLOP/s``)."""
-  out = ["| accelerator | state | link bytes a step (1.3B) | per param, each way | "
-         "tokens a step to hide it (100 % MFU) | (40 % MFU) |", "|---|---|---:|---:|---:|---:|"]
+  """The link bytes a step per state width (the same on every target: they are the host-resident
+  inputs' bytes), then per GPU the tokens a step above which the transfer hides
+  (``bytes each way / bandwidth <= 6 params tokens / (FLOP/s x MFU)``)."""
+  link = {}
   for r in rows:
-    if r["step"] != "backward + offload" or r["model"] != "1.3b" or not r.get("link_bytes"):
-      continue
-    spec = ACCELERATORS.get(r["target"])
-    if spec is None:
-      continue
-    label, flops, bandwidth, link = spec
-    per_param = r["link_bytes"] / 2 / r["params"]
-    tokens = per_param / FLOPS_PER_PARAM_TOKEN * flops / bandwidth
-    bits = "f32" if r["bits"] == 32 else f"{r['bits']}-bit"
-    out.append(f"| {label} ({link}, {bandwidth / 1e9:.0f} GB/s each way) | {bits} | "
-               f"{format_bytes(r['link_bytes'])} | {per_param:.2f} B | {tokens:,.0f} | "
-               f"{tokens / 0.4:,.0f} |")
+    if r.get("link_bytes"):
+      width = "f32" if r["bits"] == 32 else f"{r['bits']}-bit"
+      if link.setdefault(width, (r["link_bytes"], r["params"])) != (r["link_bytes"], r["params"]):
+        raise ValueError(f"{width}: link bytes differ between targets: {r}")
+  first = link.get("f32", next(iter(link.values())))[0]
+  out = ["| state | link bytes a step | per param, each way | against f32 |",
+         "|---|---:|---:|---:|"]
+  out += [f"| {w} | {format_bytes(b)} | {b / 2 / n:.2f} B | {first / b:.2f}x less |"
+          for w, (b, n) in link.items()]
+  out += ["", "| GPU | dense bf16 | host link, each way | " + " | ".join(
+      f"{w}: tokens a step to hide it (100 % / 40 % MFU)" for w in link) + " |",
+          "|---|---:|---:|" + "---:|" * len(link)]
+  for gpu, (flops, bandwidth, bus) in GPUS.items():
+    tokens = [b / 2 / n / FLOPS_PER_PARAM_TOKEN * flops / bandwidth for b, n in link.values()]
+    out.append(f"| {gpu} | {flops / 1e12:.0f} TFLOP/s | {bandwidth / 1e9:.0f} GB/s ({bus}) | "
+               + " | ".join(f"{t:,.0f} / {t / 0.4:,.0f}" for t in tokens) + " |")
   return "\n".join(out)
 
 
@@ -146,7 +159,7 @@ def main() -> None:
   parser.add_argument("--json", help="append each row to this JSON-lines file as it is measured")
   args = parser.parse_args()
   targets, bits = args.targets.split(","), [int(b) for b in args.bits.split(",")]
-  steps = CLIP_STEPS if args.table == "clip" else STATE_STEPS
+  steps = {"clip": CLIP_STEPS, "hide": HIDE_STEPS}.get(args.table, STATE_STEPS)
   models = ["1.3b"] if args.table in ("clip", "hide") else args.models.split(",")
   rows = []
   for model in models:

@@ -70,28 +70,22 @@ def test_offload_state_trains_like_optax_with_the_state_in_host_memory():
   assert example.train_check(steps=3) < TOL
 
 
-def _tiny_decoder():
-  from optfuse.bench import _models
-  config = _models.DecoderConfig(layers=2, dim=64, heads=2, ff=128, vocab=128, seq=16, batch=1)
-  return _models.decoder(config, scanned=True, remat=True)
-
-
-def test_clipped_low_bit_link_table_shows_the_bytes_a_step_drop_with_the_state_bits():
-  table = _load("clipped_low_bit").link_table(_tiny_decoder(), "cpu")
-  per_param = {w: float(line.split("|")[4]) for line in table.splitlines()
-               for w in ("float32", "8-bit", "4-bit") if line.startswith(f"| {w} |")}
-  # AdamW's two float32 slots, read and written: 16 bytes a parameter. The tiny decoder's
-  # leaves under 4096 elements stay float32, so the 8-bit and 4-bit ratios sit below 4x and 8x.
-  assert per_param["float32"] == 16.0
-  assert 3 < 16 / per_param["8-bit"] < 4 and 6 < 16 / per_param["4-bit"] < 8
-  assert table.count("TFLOP/s") == 5
-
-
-@pytest.mark.slow
-def test_clipped_low_bit_table_has_every_step_for_both_state_widths():
-  table = _load("clipped_low_bit").clipped_table(_tiny_decoder(), ["cpu"])
-  assert "refused" not in table and "needs" not in table
-  assert table.count("host,") == 2 and len(table.splitlines()) == 6
+def test_low_bit_memory_link_bytes_drop_with_the_state_bits_and_the_clip_table_is_complete():
+  example = _load("low_bit_memory")
+  rows = [example.measure("tiny", "cpu", "backward + offload", bits, example.HIDE_STEPS)
+          for bits in example.BITS]
+  table = example.hide_markdown(rows)
+  per_param = {w: float(line.split("|")[3].split()[0]) for line in table.splitlines()
+               for w in ("f32", "8-bit", "4-bit") if line.startswith(f"| {w} |")}
+  # AdamW's two float32 slots, each way: 8 bytes a parameter; 8 bits are a quarter plus the
+  # blocks' scales, 4 bits an eighth plus theirs (leaves under 4096 elements stay float32).
+  assert per_param["f32"] == 8.0
+  assert 3 < 8 / per_param["8-bit"] <= 4 and 6 < 8 / per_param["4-bit"] <= 8
+  assert table.count("TFLOP/s") == len(example.GPUS)
+  clip = [example.measure("tiny", "cpu", step, 8, example.CLIP_STEPS)
+          for step in example.CLIP_STEPS]
+  assert all("peak_bytes" in r for r in clip), clip
+  assert clip[-1]["host_bytes"] == 0 < clip[-1]["link_bytes"]  # XLA:CPU: host is device memory
 
 
 # With ``-m slow``: ``tests/test_penzai.py`` trains the same model against optax by default.
