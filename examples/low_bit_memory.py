@@ -137,15 +137,15 @@ def hide_markdown(rows: list[dict[str, Any]]) -> str:
   first = link.get("f32", next(iter(link.values())))[0]
   out = ["| state | link bytes a step | per param, each way | against f32 |",
          "|---|---:|---:|---:|"]
-  out += [f"| {w} | {format_bytes(b)} | {b / 2 / n:.2f} B | {first / b:.2f}x less |"
-          for w, (b, n) in link.items()]
+  out += [f"| {w} | {format_bytes(b)} | {b / 2 / n:.2f} B | "
+          f"{'-' if b == first else f'{first / b:.2f}x less'} |" for w, (b, n) in link.items()]
   out += ["", "| GPU | dense bf16 | host link, each way | " + " | ".join(
       f"{w}: tokens a step to hide it (100 % / 40 % MFU)" for w in link) + " |",
           "|---|---:|---:|" + "---:|" * len(link)]
   for gpu, (flops, bandwidth, bus) in GPUS.items():
     tokens = [b / 2 / n / FLOPS_PER_PARAM_TOKEN * flops / bandwidth for b, n in link.values()]
     out.append(f"| {gpu} | {flops / 1e12:.0f} TFLOP/s | {bandwidth / 1e9:.0f} GB/s ({bus}) | "
-               + " | ".join(f"{t:,.0f} / {t / 0.4:,.0f}" for t in tokens) + " |")
+               + " | ".join(f"{t:,.0f} / {0.4 * t:,.0f}" for t in tokens) + " |")
   return "\n".join(out)
 
 
