@@ -7,6 +7,10 @@ import pytest
 
 import optfuse
 from optfuse._analysis._memory import memory_report, with_state_bits
+from optfuse._targets import _registry
+
+needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
+                               reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
 
 ROWS, N = 8, 1024  # one leaf of 8192 elements: above low_bit's 4096, 4 blocks of 256 a row
 
@@ -42,3 +46,22 @@ def test_state_bits_32_or_none_plans_tx_as_it_is_and_other_values_are_refused():
     optfuse.max_batch_size(_loss, tx, PARAMS, lambda b: (jax.ShapeDtypeStruct((b, N),
                                                                               jnp.float32),),
                            "1GB", state_bits=16)
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_on_tpu_the_streamed_codes_keep_their_stored_layout_so_host_memory_holds_one_copy():
+  # The TPU compiler lays a packed row of codes out column-major; unpinned, it relayouts the
+  # whole host stack through the device and back every step, and host memory holds it twice.
+  params = {"layers": jax.ShapeDtypeStruct((4, 512, 4096), jnp.float32)}
+
+  def loss(p, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w[:, :512]), None), x, p["layers"])
+    return jnp.mean(h ** 2)
+
+  x = jax.ShapeDtypeStruct((8, 512), jnp.float32)
+  report = memory_report(loss, optax.adamw(1e-3), params, x, target="tpu-v5e", offload="state",
+                         state_bits=8)
+  codes = 2 * 4 * 512 * 4096  # mu and nu, a byte a value
+  scales = 2 * 4 * 512 * 128 * 4  # a float a block of 256: 16 a row, tiled to 128 lanes on TPU
+  assert report["backward"]["host_bytes"] <= 1.05 * (codes + scales)  # twice it unpinned

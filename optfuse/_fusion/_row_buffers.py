@@ -47,7 +47,10 @@ def row_at(x, index, axis: int = 0):
 def write_row(buf, row, index, axis: int = 0):
   """``buf`` with its row ``index`` along ``axis`` replaced by ``row`` (cast to its dtype, and
   moved to host memory when ``buf`` lives there)."""
-  return lax.dynamic_update_index_in_dim(buf, like(row.astype(buf.dtype), buf), index, axis)
+  row = row.astype(buf.dtype)
+  if is_host(buf) and row.ndim >= 2 and for_platform(STORED_LAYOUTS) and ordered():
+    row = with_layout_constraint(row, Layout(tuple(range(row.ndim))))
+  return lax.dynamic_update_index_in_dim(buf, like(row, buf), index, axis)
 
 
 def write_param_row(buf, row, index, axis: int = 0):

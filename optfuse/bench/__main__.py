@@ -98,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--state-bits", type=int, choices=(8, 4),
                       help="--slices with AdamW's state in 8 or 4 bits (optfuse.low_bit); "
                       "--what-fits with those rows added")
+  parser.add_argument("--max-batch-per-chip", type=int, metavar="N",
+                      help="--slices searches batches up to N per chip (a step that fits N "
+                      "answers N, marked as the cap): fewer compiles for a model far smaller "
+                      "than the chips")
   parser.add_argument("--out", metavar="DIR",
                       help="write results.json, results.md and results.png into DIR (with "
                       "--fsdp: fsdp.json and fsdp.md; with --fit: fit.json and fit.md)")
@@ -130,7 +134,8 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
     footer = f"(--fit {', '.join(names)}: {time.perf_counter() - start:.0f} s)"
   elif args.suite == "slices":
     rows = _slices.run(args.model, args.target or _slices.DEFAULT_TARGETS, args.state_bits,
-                       use_cache=not args.no_cache, progress=progress)
+                       use_cache=not args.no_cache, progress=progress,
+                       max_batch_per_chip=args.max_batch_per_chip)
     write, markdown, footer = _report.write_slices, _slices.markdown, ""
   elif args.suite == "what_fits":
     rows = _what_fits.run(args.target or _what_fits.default_targets(), ("layers", "batch"),

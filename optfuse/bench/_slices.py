@@ -52,19 +52,20 @@ def accelerator_kind() -> str | None:
 
 def run(model: str, targets: Sequence[str], state_bits: int | None = None,
         layouts: Sequence[str] = ("data", "fsdp"), use_cache: bool = True,
-        progress: bool = True) -> list[dict[str, Any]]:
+        progress: bool = True, max_batch_per_chip: int | None = None) -> list[dict[str, Any]]:
   """One row per (kind, layout, step) of ``optfuse.smallest_slices`` for the named model with
   AdamW; each row also carries the environment, the compiles the table took and its seconds
   (0 compiles when the table came from the cache)."""
   fit_model = _fit_table.fit_models()[model].model
-  key = _cache.key("slices", model, tuple(targets), tuple(layouts), state_bits)
+  key = _cache.key("slices", model, tuple(targets), tuple(layouts), state_bits,
+                   *(() if max_batch_per_chip is None else (max_batch_per_chip,)))
   cached = _cache.load().get(key) if use_cache else None
   start = time.perf_counter()
   if cached is None:
     report = optfuse.smallest_slices(
         fit_model.loss, optax.adamw(1e-3), _models.abstract(fit_model.params),
         lambda b: _fit_table.batch_args(fit_model, b), tuple(targets), layouts=layouts,
-        state_bits=state_bits, progress=progress)
+        state_bits=state_bits, max_batch_per_chip=max_batch_per_chip, progress=progress)
     fits, compiles = [f._asdict() for f in report], report.compiles
     if use_cache:
       _cache.store({key: {"fits": fits, "compiles": compiles}})
@@ -73,6 +74,7 @@ def run(model: str, targets: Sequence[str], state_bits: int | None = None,
   seconds = round(time.perf_counter() - start)
   env = _suite.environment()
   return [{**env, "section": "slices", "model": model, "state_bits": state_bits,
+           "max_batch_per_chip": max_batch_per_chip,
            "table_compiles": compiles, "table_seconds": seconds, **f} for f in fits]
 
 
@@ -86,6 +88,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
   """The ``--slices`` table with its heading: model, optimizer, versions, compiles."""
   first = rows[0]
   state = f", state in {first['state_bits']} bits" if first["state_bits"] else ""
+  if first.get("max_batch_per_chip"):
+    state += f", batches searched up to {first['max_batch_per_chip']} per chip"
   costs = (f"{first['table_compiles']} compiles, {first['table_seconds']} s"
            if first["table_compiles"] else "from the disk cache (--no-cache recompiles)")
   return "\n".join([
