@@ -134,6 +134,16 @@ def test_the_affine_search_is_exact_for_any_monotone_peak_and_asks_each_point_on
   assert len(asked) == len(set(asked))
 
 
+def test_an_unbracketed_search_grows_at_most_sixteenfold_a_probe():
+  # Equal peaks at 1 and 2 (a compiler that pads the batch) would aim the secant at a batch no
+  # compiler can build: the GPU compiler fails on such a program instead of refusing it.
+  asked = []
+  peak = lambda k: asked.append(k) or 1000 + (0 if k < 3 else k)
+  assert _fit.largest_affine(peak, 1500, 1, (1, 2)) == 500
+  grown = [b / a for a, b in zip(asked, asked[1:]) if b > a and a < 500]
+  assert max(grown) <= _fit.GROWTH and len(asked) <= 7
+
+
 def test_a_cap_that_fits_is_found_in_three_compiles():
   asked = []
   got = _fit.largest_affine(lambda k: asked.append(k) or 1000 + 37 * k, 5000, 1, (1, 2), upper=50)

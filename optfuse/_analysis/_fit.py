@@ -207,6 +207,10 @@ class _Progress:
       self.bar.close()
 
 
+# The most an unbracketed search multiplies the largest k known to fit by in one probe.
+GROWTH = 16
+
+
 def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 1,
                    guesses: Sequence[int] = (1, 2), slope: float | None = None,
                    upper: int | None = None) -> int:
@@ -218,7 +222,8 @@ def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 
   memory. The search asks ``guesses`` first (a good guess and the one after it answer in two
   calls), then the secant through the two measured peaks nearest the boundary, kept strictly
   between the largest ``k`` known to fit and the smallest known not to (bisection once the
-  secant has had three tries at a closed bracket). ``slope`` (bytes per ``k``, say from another
+  secant has had three tries at a closed bracket; before any ``k`` fails it grows at most
+  ``GROWTH`` times the largest that fits). ``slope`` (bytes per ``k``, say from another
   compiler's peaks) aims the next probe while only one peak is known, as when the compiler
   refuses every probe above the boundary. The answer is exact whatever the peaks: ``k`` fits and
   ``k + 1`` does not, and each ``k`` is asked once.
@@ -239,7 +244,11 @@ def largest_affine(peak: Callable[[int], int | None], budget: int, lower: int = 
       rate = (known[a] - known[b]) / (a - b)
     if measured and rate is not None and rate > 0:
       a = measured[0]
-      return a + int((budget - known[a]) // rate)
+      aim = a + int((budget - known[a]) // rate)
+      # Unbracketed, grow at most 16x a step: peaks nearly equal at two small k (a compiler
+      # that pads the batch, buffers it keeps out of device memory) aim the secant at a k
+      # whose program no compiler can build.
+      return aim if hi is not None else min(aim, GROWTH * max(lo, 1))
     return 2 * max(lo, 1) if hi is None else (lo + hi) // 2
 
   lo, hi, tries = lower - 1, None if upper is None else max(upper, lower - 1) + 1, 3
