@@ -275,7 +275,7 @@ def _cap(max_batch: int | None, unit: int) -> int | None:
   """``max_batch`` in multiples of ``unit``, checked."""
   if max_batch is None:
     return None
-  if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < unit:
+  if not _checks.is_positive_int(max_batch) or max_batch < unit:
     raise BudgetError(
         f"max_batch must be an int of at least {unit} (the devices the batch is split over times "
         f"the microbatches: the smallest batch searched), got {max_batch!r}; pass None to "

@@ -23,6 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optfuse._analysis import _fit, _memory
+from optfuse._base import _checks
 from optfuse._base._errors import BudgetError, TargetError, UnknownModeError
 from optfuse._low_bit import _transform as _low_bit
 from optfuse._targets import _registry
@@ -237,8 +238,7 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
     params, args_for, ["tpu-v5e", "tpu-v5e:2x2"]))`` prints the table (docs/targets.md).
   """
   _check(layouts, steps)
-  if max_batch_per_chip is not None and (isinstance(max_batch_per_chip, bool) or not isinstance(
-      max_batch_per_chip, int) or max_batch_per_chip < 1):
+  if max_batch_per_chip is not None and not _checks.is_positive_int(max_batch_per_chip):
     raise BudgetError(f"max_batch_per_chip must be a positive int or None (no cap), got "
                       f"{max_batch_per_chip!r}.")
   tx = tx if state_bits is None else _low_bit.low_bit(tx, bits=state_bits)

@@ -89,10 +89,15 @@ def check_state(tx: optax.GradientTransformation, params, state) -> None:
           f"{exp.shape}: the state was built for other params. Rebuild it with fx.init(params).")
 
 
+def is_positive_int(value) -> bool:
+  """Whether ``value`` is an int of at least 1 (``True`` and ``False`` are not)."""
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_microbatches(microbatches) -> int:
   if microbatches is None:
     return 1
-  if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+  if not is_positive_int(microbatches):
     raise MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
   return microbatches
 

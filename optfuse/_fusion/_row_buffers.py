@@ -48,9 +48,18 @@ def write_row(buf, row, index, axis: int = 0):
   """``buf`` with its row ``index`` along ``axis`` replaced by ``row`` (cast to its dtype, and
   moved to host memory when ``buf`` lives there)."""
   row = row.astype(buf.dtype)
-  if is_host(buf) and row.ndim >= 2 and for_platform(STORED_LAYOUTS) and ordered():
-    row = with_layout_constraint(row, Layout(tuple(range(row.ndim))))
+  if is_host(buf):  # a streamed row: pinned on the device, before its move to the host stack
+    row = _stored_layout(row)
   return lax.dynamic_update_index_in_dim(buf, like(row, buf), index, axis)
+
+
+def _stored_layout(x):
+  """``x`` pinned to the row-major layout the step's arguments have, where the compiler would
+  otherwise choose another for a stack or a row written into one (``_backends.STORED_LAYOUTS``):
+  it laid packed low-bit codes out column-major, and relayouted their whole host stack."""
+  if x.ndim < 2 or not for_platform(STORED_LAYOUTS) or not ordered():
+    return x
+  return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 
 def write_param_row(buf, row, index, axis: int = 0):
@@ -59,9 +68,7 @@ def write_param_row(buf, row, index, axis: int = 0):
   (``_backends.STORED_LAYOUTS``). On one device only: the SPMD partitioner does not partition
   the constraint (a custom call), and all-gathers a sharded stack into it every iteration."""
   out = write_row(buf, row, index, axis)
-  if out.ndim < 2 or is_host(out) or not for_platform(STORED_LAYOUTS) or not ordered():
-    return out
-  return with_layout_constraint(out, Layout(tuple(range(out.ndim))))
+  return out if is_host(out) else _stored_layout(out)
 
 
 def after(index, x):

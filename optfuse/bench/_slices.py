@@ -58,7 +58,7 @@ def run(model: str, targets: Sequence[str], state_bits: int | None = None,
   (0 compiles when the table came from the cache)."""
   fit_model = _fit_table.fit_models()[model].model
   key = _cache.key("slices", model, tuple(targets), tuple(layouts), state_bits,
-                   *(() if max_batch_per_chip is None else (max_batch_per_chip,)))
+                   max_batch_per_chip)
   cached = _cache.load().get(key) if use_cache else None
   start = time.perf_counter()
   if cached is None:
