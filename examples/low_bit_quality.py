@@ -23,7 +23,7 @@ and writes the loss curves to ``docs/_static/low_bit_quality.png``.
 Usage::
 
   python examples/low_bit_quality.py            # about 10 minutes on two shared CPU cores
-  python examples/low_bit_quality.py --quick    # a tiny run, seconds
+  python examples/low_bit_quality.py --quick    # a tiny run, seconds, no plot
 """
 
 from __future__ import annotations
@@ -153,9 +153,10 @@ def slot_errors(bits: int, block_size: int, params, grads: tuple) -> dict[str, f
   base = optax.adamw(1e-3, b2=0.95, weight_decay=0.1)
   tx = optfuse.low_bit(base, bits=bits, block_size=block_size)
 
+  # The zero states are arguments: built inside the jit, XLA would constant-fold their
+  # quantization (a slow fold, and a warning on every run).
   @jax.jit
-  def errors(params, grads):
-    want_state, got_state = base.init(params), tx.init(params)
+  def errors(params, grads, want_state, got_state):
     updates = []
     for g in grads:
       want, want_state = base.update(g, want_state, params)
@@ -172,7 +173,8 @@ def slot_errors(bits: int, block_size: int, params, grads: tuple) -> dict[str, f
             "nu_to_zero": jnp.mean((nu == 0) & (nu_ref > 0)),
             "update": rel(flat(updates[1][0]), flat(updates[1][1]))}
 
-  return {k: float(v) for k, v in errors(params, grads).items()}
+  states = jax.jit(lambda p: (base.init(p), tx.init(p)))(params)
+  return {k: float(v) for k, v in errors(params, grads, *states).items()}
 
 
 def _is_slot(x) -> bool:
@@ -272,10 +274,11 @@ def markdown(out: dict[str, Any]) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="a tiny configuration, seconds")
+  parser.add_argument("--quick", action="store_true",
+                      help="a tiny configuration, seconds; writes no plot")
   parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
   args = parser.parse_args()
-  out = run(args.quick, None if args.no_plot else PLOT)
+  out = run(args.quick, None if args.no_plot or args.quick else PLOT)
   print(markdown(out))
   if "plot" in out:
     print(f"wrote {out['plot']}")
