@@ -12,7 +12,9 @@ at the start and end (other processes slow every step alike, but noisier).
 ``--parts`` times instead where an 8-bit update's time goes, on one leaf of 8 rows of 256x256
 (the dense stack's shape): float32 AdamW's update, the 8-bit one, and each piece of the 8-bit
 update alone (the block absmax, the code search, packing, the table read of dequantization),
-interleaved rounds, median and range.
+with the code search also by the compact bucket tables that TPU and GPU steps use, and the
+4-bit map's search by each method (``optfuse/_low_bit/_search.py``), interleaved rounds, median
+and range.
 
 Usage::
 
@@ -118,7 +120,7 @@ def parts(rounds: int = 5, min_run_s: float = 0.5, shape=(8, 256, 256)) -> dict[
   of the 8-bit one: ``{name: (median, low, high)}`` over interleaved rounds (each piece jitted
   alone, so XLA fuses it as it can; inside the update they fuse with their neighbours)."""
   x = 1e-3 * jax.random.normal(jax.random.key(0), shape)
-  signed = _maps.scheme(8, True)
+  signed, signed4 = _maps.scheme(8, True), _maps.scheme(4, True)
   y = x / jnp.max(jnp.abs(x))
   words, scales = _blocks.quantize(x, signed, 256)
   codes = _search.lookup(y, signed)
@@ -133,6 +135,13 @@ def parts(rounds: int = 5, min_run_s: float = 0.5, shape=(8, 256, 256)) -> dict[
           lambda x: jnp.max(jnp.abs(x.reshape(*shape[:-1], -1, 256)), -1), (x,)),
       "of which: code search (bucket, then the thresholds)": (
           lambda y: _search.lookup(y, signed), (y,)),
+      "code search with the compact tables (TPU, GPU)": (
+          lambda y: _search.lookup(y, signed, "compact"), (y,)),
+      "4-bit code search by comparing (XLA:CPU)": (
+          lambda y: _search.lookup(y, signed4, "compare"), (y,)),
+      "4-bit code search, raw tables": (lambda y: _search.lookup(y, signed4, "raw"), (y,)),
+      "4-bit code search, compact tables (TPU, GPU)": (
+          lambda y: _search.lookup(y, signed4, "compact"), (y,)),
       "of which: pack codes into words": (lambda c: _blocks._pack(c, 8), (codes,)),
       "8-bit: dequantize one slot": (
           lambda w, s: _blocks.dequantize(w, s, signed, 256, shape[-1]), (words, scales)),

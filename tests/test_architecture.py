@@ -26,8 +26,8 @@ LAYERS = [
     ["_fusion"],                                       # taps, fused scans, row buffers, sums
     ["_plan"],                                         # tx.update split per leaf
     ["_jaxpr"],                                        # the interpreter, row evaluation
+    ["_low_bit"],                                      # low-bit optimizer state
     ["_targets"],                                      # compile targets, per-backend choices
-    ["_low_bit"],                                      # low-bit optimizer state: needs _base only
     ["_base"],                                         # errors, input checks, leaf predicates
 ]
 LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}

@@ -10,12 +10,15 @@ clamped to [-1, 1], ``torch.bucketize`` over the midpoints, ``code[q] * absmax``
 Every comparison is exact: the schemes are float32 arithmetic done in the same order.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from optfuse._low_bit import _blocks, _maps, _search
+from optfuse._targets import _backends
 
 BNB_DYNAMIC_SIGNED = np.array([
     -0.992968738079071, -0.9789062738418579, -0.96484375, -0.9507812261581421,
@@ -329,12 +332,14 @@ def _reference_codes(y, bits: int, signed: bool):
   return np.where(y - table[codes] >= (table[up] - table[codes]) * np.float32(0.5), up, codes)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits,method", [(8, "compact"), (8, "raw"), (4, "compact"), (4, "raw"),
+                                         (4, "compare")])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_the_bucket_lookup_rounds_every_threshold_and_its_neighbours_as_the_anchors_do(
-    bits, signed):
-  """The code lookup by float bits (``_search``) against the anchors' rounding on the values
-  where a code changes, three ulps either side, the entries, the midpoints, zeros and +-1."""
+def test_the_code_search_rounds_every_threshold_and_its_neighbours_as_the_anchors_do(
+    bits, method, signed):
+  """The code search (``_search``), by each method, against the anchors' rounding on the
+  values where a code changes, three ulps either side, the entries, the midpoints, zeros and
+  +-1 (negative values too for the unsigned maps, which take code 0)."""
   scheme = _maps.scheme(bits, signed)
   table = MAPS[bits, signed]
   points = np.concatenate([_search.thresholds(scheme), table, -table,
@@ -344,6 +349,37 @@ def test_the_bucket_lookup_rounds_every_threshold_and_its_neighbours_as_the_anch
     up, down = np.nextafter(up, np.float32(2)), np.nextafter(down, np.float32(-2))
     values += [up, down]
   y = np.clip(np.concatenate(values), -1, 1).astype(np.float32)
-  got = np.asarray(jax.jit(lambda y: _search.lookup(y, scheme))(y))
+  got = np.asarray(jax.jit(lambda y: _search.lookup(y, scheme, method))(y))
   np.testing.assert_array_equal(got, _reference_codes(y, bits, signed))
   assert got.min() == 0 and got.max() == 2 ** bits - 1
+
+
+def _table_sizes(fn, *args) -> set[int]:
+  """The sizes of the 1-D constants a traced ``fn`` gathers from."""
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return {int(np.size(c)) for c in jaxpr.consts if np.ndim(c) == 1}
+
+
+def _gathers(fn, *args) -> int:
+  return sum(e.primitive.name == "gather" for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
+def test_each_platform_takes_its_code_search():
+  """XLA:CPU looks 8-bit codes up by raw float bits (the signed map's tables: 24,513 entries)
+  and compares 4-bit values with their map's 15 thresholds (no gather); a step traced for a
+  TPU or GPU keeps the compact tables (2,945 and 81 entries)."""
+  signed8, signed4 = _maps.scheme(8, True), _maps.scheme(4, True)
+  y = jax.ShapeDtypeStruct((8, 256), jnp.float32)
+  assert 24513 in _table_sizes(lambda y: _search.lookup(y, signed8), y)
+  assert _gathers(lambda y: _search.lookup(y, signed4), y) == 0
+  for platform in ("tpu", "cuda"):  # lowering_for reads a target's platform only, here
+    with _backends.lowering_for(types.SimpleNamespace(platform=platform, devices=[None])):
+      sizes8 = _table_sizes(lambda y: _search.lookup(y, signed8), y)
+      sizes4 = _table_sizes(lambda y: _search.lookup(y, signed4), y)
+    assert 2945 in sizes8 and 24513 not in sizes8
+    assert 81 in sizes4
+
+
+def test_comparing_is_only_for_16_entry_maps():
+  with pytest.raises(ValueError, match="16 entries"):
+    _search.lookup(jnp.zeros(4), _maps.scheme(8, True), "compare")

@@ -51,6 +51,13 @@ CARRIED_STACKS = {"tpu": True, "cuda": False, "rocm": False, "cpu": False}
 # The row loops pin each param stack they write to its stored row-major layout: the TPU
 # compiler otherwise lays a sliced stack out layer-major, a transposed copy of the whole stack.
 STORED_LAYOUTS = {"tpu": True, "cuda": False, "rocm": False, "cpu": False}
+# How optfuse.low_bit finds a value's code, per map width: "compact" bucket tables indexed by its
+# magnitude's float32 bits above a floor, "raw" ones indexed by its bits (one op, tables 8x
+# larger), or "compare" with each of a 16-entry map's 15 thresholds (no gather). XLA:CPU runs a
+# fusion holding a gather as a scalar loop, where every op of the index counts. Untimed on TPU
+# and GPU, which keep the compact tables.
+_COMPACT = {8: "compact", 4: "compact"}
+CODE_SEARCH = {"tpu": _COMPACT, "cuda": _COMPACT, "rocm": _COMPACT, "cpu": {8: "raw", 4: "compare"}}
 
 
 @contextlib.contextmanager
