@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optfuse._base._errors import LowBitError
@@ -169,14 +170,35 @@ def low_bit(inner: optax.GradientTransformation, bits: int = 8, block_size: int 
     template = jax.eval_shape(inner.init, params)
     return template, _slot_schemes(template, params, bits, min_size, slot_map)
 
-  def init_fn(params):
+  def traced_init(params):
     template, schemes = plan(params)
     return _compress(inner.init(params), template, schemes, block_size)
 
-  def update_fn(updates, state, params=None, **extra_args: Any):
+  def traced_update(updates, state, params=None, **extra_args: Any):
     template, schemes = plan(updates if params is None else params)
     inner_state = _expand(state, template, schemes, block_size)
     updates, new_state = inner.update(updates, inner_state, params, **extra_args)
     return updates, _compress(new_state, template, schemes, block_size)
 
+  # Called outside a trace, init and update run compiled: op by op, quantizing a slot makes
+  # a dozen arrays of its size one after the other (measured, a 100M-element leaf: 8-bit
+  # init 8.5 s eager, 0.25 s compiled).
+  compiled_init, compiled_update = jax.jit(traced_init), jax.jit(traced_update)
+
+  def init_fn(params):
+    return (compiled_init if _eager(params) else traced_init)(params)
+
+  def update_fn(updates, state, params=None, **extra_args: Any):
+    if not extra_args and _eager((updates, state, params)):
+      return compiled_update(updates, state, params)
+    return traced_update(updates, state, params, **extra_args)
+
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _eager(tree) -> bool:
+  """Whether ``tree`` holds arrays only, none of them traced: a call outside ``jax.jit``."""
+  leaves = jax.tree.leaves(tree)
+  return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray))
+                              and not isinstance(x, jax.core.Tracer)
+                              for x in leaves)
