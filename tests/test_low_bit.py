@@ -1,5 +1,7 @@
 """``optfuse.low_bit`` as a plain optax transformation: its state, its update, its refusals."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -102,6 +104,23 @@ def test_called_outside_jit_init_and_update_run_compiled_and_equal_their_jitted_
   low = optfuse.low_bit(extra, bits=8)
   low.update(grads, low.init(params), params, value=jnp.float32(1.0))
   assert calls == [["value"]]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_compiled_init_quantizes_its_zeros_at_run_time_not_by_constant_folding(bits):
+  """An init's slots are constants, and XLA would fold their quantization at compile time
+  (25 s for one (8, 1024, 512) leaf on CPU): in the compiled init the codes and scales are
+  computed, not broadcast from a folded constant."""
+  tx = optfuse.low_bit(optax.adamw(1e-3), bits=bits)
+  params = {"w": jax.ShapeDtypeStruct((4, 512, 512), jnp.float32)}
+  slot = jax.eval_shape(tx.init, params)[0].mu["w"]
+  hlo = jax.jit(tx.init).lower(params).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]  # the program's own instructions, not fusions' insides
+  for part in (slot.codes, slot.scales):
+    shape = re.escape("f32[" + ",".join(map(str, part.shape)) + "]")
+    # Folded, a slot's codes or scales are a broadcast of one constant: nothing else.
+    folded = shape + r"\{[^}]*\} (fusion|broadcast)\(%constant[.\d]*\)"
+    assert not re.search(folded, entry), part.shape
 
 
 def test_8_bit_adamw_follows_float32_adamw_closely_over_20_steps():
