@@ -380,6 +380,8 @@ def test_each_platform_takes_its_code_search():
     assert 81 in sizes4
 
 
-def test_comparing_is_only_for_16_entry_maps():
+def test_comparing_is_only_for_16_entry_maps_and_a_method_must_exist():
   with pytest.raises(ValueError, match="16 entries"):
     _search.lookup(jnp.zeros(4), _maps.scheme(8, True), "compare")
+  with pytest.raises(ValueError, match="one of"):
+    _search.lookup(jnp.zeros(4), _maps.scheme(8, True), "binary")

@@ -191,6 +191,8 @@ def lookup(y, scheme: Scheme, method: str | None = None):
       (``_backends.CODE_SEARCH``). All give the same codes.
   """
   method = for_platform(CODE_SEARCH)[scheme.bits] if method is None else method
+  if method not in METHODS:
+    raise ValueError(f"the code search is one of {METHODS}, not {method!r}")
   if method == "compare":
     thr = _thresholds(scheme.table.tobytes(), scheme.rounding, scheme.scaling)
     if len(thr) > 15:
