@@ -91,7 +91,7 @@ class Buckets:
   """
 
   def __init__(self, scheme: Scheme):
-    thr = thresholds(scheme)
+    thr = scheme_thresholds(scheme)
     smallest = np.min(np.abs(thr[thr != 0])) if np.any(thr != 0) else F32(1)
     self.floor = int(np.array(F32(2.0) ** (np.floor(np.log2(smallest)) - 1), F32).view(np.int32))
     for shift in range(23, -1, -1):
@@ -127,7 +127,7 @@ class RawBuckets:
   """
 
   def __init__(self, scheme: Scheme):
-    thr = thresholds(scheme)
+    thr = scheme_thresholds(scheme)
     self.nonnegative = bool(np.all(thr > 0))
     top = np.array([1.0 if self.nonnegative else -1.0], F32).view(np.uint32)[0]
     for shift in range(23, -1, -1):
@@ -152,6 +152,11 @@ class RawBuckets:
 @functools.cache
 def _thresholds(table: bytes, rounding: str, scaling: str) -> np.ndarray:
   return thresholds(Scheme(np.frombuffer(table, F32), rounding, scaling))
+
+
+def scheme_thresholds(scheme: Scheme) -> np.ndarray:
+  """``thresholds(scheme)``, bisected once per scheme and shared by every search method."""
+  return _thresholds(scheme.table.tobytes(), scheme.rounding, scheme.scaling)
 
 
 @functools.cache
@@ -194,7 +199,7 @@ def lookup(y, scheme: Scheme, method: str | None = None):
   if method not in METHODS:
     raise ValueError(f"the code search is one of {METHODS}, not {method!r}")
   if method == "compare":
-    thr = _thresholds(scheme.table.tobytes(), scheme.rounding, scheme.scaling)
+    thr = scheme_thresholds(scheme)
     if len(thr) > 15:
       raise ValueError(f'method="compare" is for maps of 16 entries, not {len(thr) + 1}')
     codes = jnp.zeros(jnp.shape(y), jnp.int32)
