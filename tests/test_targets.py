@@ -5,6 +5,8 @@ from ``jax.ShapeDtypeStruct``s; each skips, saying which extra to install, when 
 absent. The rest check the registry, the parsing of compiler refusals and the search on their own.
 """
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +74,22 @@ def test_a_target_whose_compiler_is_missing_names_the_extra_to_install(monkeypat
     optfuse.max_batch_size(_scanned_loss, optax.sgd(0.1), _scanned_params(), _batch,
                            target=name)
   _registry._named.cache_clear()
+
+
+def test_the_gpu_compiler_is_missing_where_no_jax_plugin_is_installed_at_all(monkeypatch):
+  # A plain `pip install optfuse` has no jax_plugins package; find_spec then raises for a
+  # submodule of it, as Python's does for a submodule whose parent is missing.
+  find_spec = importlib.util.find_spec
+
+  def without_jax_plugins(name, package=None):
+    if name == "jax_plugins":
+      return None
+    if name.startswith("jax_plugins."):
+      raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+    return find_spec(name, package)
+
+  monkeypatch.setattr(importlib.util, "find_spec", without_jax_plugins)
+  assert not _registry.compiler_installed("cuda")
 
 
 def test_something_that_is_no_target_is_a_target_error():

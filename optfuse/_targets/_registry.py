@@ -167,7 +167,10 @@ def compiler_installed(platform: str) -> bool:
   """Whether the compiler of ``platform`` ("tpu" or "cuda") is installed."""
   if platform == "tpu":
     return importlib.util.find_spec("libtpu") is not None
-  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  # find_spec of a submodule imports its parent: with no JAX plugin at all (a plain install of
+  # jax), the parent jax_plugins is missing and find_spec would raise ModuleNotFoundError.
+  return (importlib.util.find_spec("jax_plugins") is not None
+          and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None)
 
 
 def _host_bounds(dims: tuple[int, ...]) -> tuple[int, int, int]:
