@@ -32,6 +32,11 @@ _OPAQUE = {
     P.custom_vjp_call_p: "the scan sits inside a custom_vjp function, whose gradient rule is "
                          "user-defined",
 }
+if _interpreter.XLA_METADATA_CALL_P is not None:
+  # Inlined, its body would lose the XLA metadata the call attaches to it.
+  _OPAQUE[_interpreter.XLA_METADATA_CALL_P] = (
+      "the scan sits inside an xla_metadata_call, whose body optfuse does not rewrite (it would "
+      "drop the metadata); call xla_metadata_call inside the scan body instead")
 SHARED = ("read more than once (by two scans, or also outside its scan): its gradient is "
           "complete only after every read, so it is updated once after the backward pass")
 CLOSED_OVER = ("read whole by a loop body (closed over or carried), not as its scanned input: "
