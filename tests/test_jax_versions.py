@@ -24,6 +24,8 @@ import pytest
 
 from optfuse._jaxpr import _interpreter
 
+pytestmark = pytest.mark.jax_upgrades
+
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_xla_metadata_worker.py"
 

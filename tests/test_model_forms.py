@@ -169,6 +169,7 @@ def _assert_trains_like_optax(form, mode):
   chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **TOL)
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_every_stacked_leaf_of_the_form_is_updated_in_the_loop(form):
   params, loss, batch, _ = FORMS[form](TINY)
@@ -187,6 +188,7 @@ MODE_CASES = [pytest.param(form, mode, marks=() if mode == "backward" or form in
               for form in sorted(FORMS) for mode in ("backward", "forward", "two_pass")]
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("form,mode", MODE_CASES)
 def test_form_trains_like_optax_over_20_steps(form, mode):
   abstract, loss, batch_spec, dtype = FORMS[form](TINY)
