@@ -6,7 +6,7 @@ offers: the call-like equations of ``jax.jit``, ``jax.checkpoint``, ``jax.custom
 later release turns on; primitives found by object, never by a name that a release may change;
 JAX 0.11's ``xla_metadata_call``, the real one or one made to stand in for it; the runtime
 error class under each of its names. The suite's ``jax_upgrades`` subset runs whole trainings
-under each flag (``JAX_REMAT3=1 python -m pytest -m jax_upgrades``).
+under each flag (``JAX_REMAT3=1 python -m pytest -m "jax_upgrades and not slow"``).
 """
 
 from __future__ import annotations
