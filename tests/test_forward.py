@@ -211,6 +211,7 @@ def remat_stack_loss(params, tokens, targets):
                                         ("clip_by_global_norm+lion", "rows"),
                                         ("ema_of_params", "rows")])
 @pytest.mark.jax_upgrades
+@models.CUSTOM_VJP3_REMAT_BUG
 def test_stacked_leaves_of_a_rematerialised_stack_are_updated_before_it(name, where):
   # Inside the checkpoint the forward loop runs again in the backward pass, so the rows are
   # updated before the loss: whole and in place (adamw, clipped adamw), or params and slots
