@@ -22,8 +22,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import optfuse
+
+# JAX 0.10's jax_custom_vjp3 cannot transpose, inside jax.checkpoint, a custom_vjp function that
+# takes a None argument (jax/_src/hijax.py:639 in 0.10.2 zips the inputs with their nonzero flags,
+# which count the None; fixed by 0.11.0): optfuse's fused scan is such a function when the scan
+# sits inside jax.checkpoint.
+CUSTOM_VJP3_REMAT_BUG = pytest.mark.xfail(
+    jax.config.jax_custom_vjp3 and jax.__version_info__ < (0, 11), raises=ValueError,
+    strict=True, reason="jax_custom_vjp3 of JAX 0.10 fails to transpose a custom_vjp with a None "
+    "argument inside jax.checkpoint (jax/_src/hijax.py:639)")
+
 
 VOCAB = 32
 DIM = 16

@@ -139,6 +139,7 @@ def test_backward_fusion_matches_optax_in_float64_to_a_few_ulps(name):
     _assert_same_training(got, want, RTOL_64, ATOL_64)
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("name", ["adamw"])
 def test_backward_fusion_without_jit_matches_optax(name):
   # Eager steps dispatch op by op (~0.15 s each here): 5 steps show that the unjitted step is

@@ -188,6 +188,7 @@ def scaled_scanned_loss(params, tokens, targets, scale):
   return models.scanned_loss(params, tokens, targets) * scale
 
 
+@pytest.mark.jax_upgrades
 def test_in_loop_forward_fusion_of_a_reversed_rematerialised_scan_matches_optax():
   tx = OPTIMIZERS["clip_by_global_norm+adamw"]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
@@ -209,6 +210,8 @@ def remat_stack_loss(params, tokens, targets):
                                         ("clip_by_global_norm+adamw", "leaf"),
                                         ("clip_by_global_norm+lion", "rows"),
                                         ("ema_of_params", "rows")])
+@pytest.mark.jax_upgrades
+@models.CUSTOM_VJP3_REMAT_BUG
 def test_stacked_leaves_of_a_rematerialised_stack_are_updated_before_it(name, where):
   # Inside the checkpoint the forward loop runs again in the backward pass, so the rows are
   # updated before the loss: whole and in place (adamw, clipped adamw), or params and slots

@@ -207,6 +207,7 @@ def test_fused_step_matches_flax_apply_gradients_over_50_steps(case, variant, mo
   chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("variant", ["train_state", "decorator"])
 def test_guarded_scanned_blocks_match_flax_apply_gradients(variant):
   ref_losses, ref_state = _reference("scanned_blocks")

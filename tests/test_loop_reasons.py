@@ -81,6 +81,7 @@ CASES = {
 }
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_describe_says_why_a_stacked_leaf_is_not_fused(case):
   loss, tx, layers, why = CASES[case]

@@ -76,6 +76,24 @@ def carry_state_loss(p, x, y, key):
   return jnp.mean((h @ p["head"] - y) ** 2) + 0.1 * jnp.sum(means) + 0.0 * count
 
 
+@jax.custom_vjp
+def _straight_through_tanh(x):
+  """tanh whose backward is the identity (a straight-through estimator): a custom_vjp layer
+  whose gradient differs from its function's."""
+  return jnp.tanh(x)
+
+
+_straight_through_tanh.defvjp(lambda x: (jnp.tanh(x), None), lambda _, g: (g,))
+
+
+def custom_vjp_layer_loss(p, x, y):
+  """A body whose layer is a custom_vjp function, rematerialised."""
+  layer = lambda h, lp: _straight_through_tanh(h @ lp["w"] + lp["b"] + p["shared"])
+  body = jax.checkpoint(lambda h, lp: (layer(h, lp), None))
+  h, _ = jax.lax.scan(body, x, p["layers"])
+  return jnp.mean((h @ p["head"] - y) ** 2)
+
+
 @jax.jit
 def _jitted_stack(p, x):
   h, _ = jax.lax.scan(jax.checkpoint(lambda h, lp: (_layer(h, lp, p["shared"]), None)), x,
@@ -120,9 +138,11 @@ LOSSES = {
     "unrolled_scan": functools.partial(scan_loss, unroll=2),
     "nested_scans": nested_loss,
     "inner_jit": inner_jit_loss,
+    "custom_vjp_layer": custom_vjp_layer_loss,
 }
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_loop_fused_step_matches_optax_adamw_over_30_steps(name):
   params = None
@@ -149,6 +169,7 @@ def test_the_tpu_row_loops_match_optax(name, mode, monkeypatch):
                         mode=mode)
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_scanned_layers_are_updated_inside_the_loop(name):
   params = _init(jax.random.PRNGKey(0), layers=8)

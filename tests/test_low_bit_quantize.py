@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
 from optfuse._low_bit import _blocks, _maps, _search
 from optfuse._targets import _backends
@@ -304,7 +305,7 @@ def _largest_value(jaxpr) -> int:
   """The most elements of any value an equation of ``jaxpr`` (or of its sub-jaxprs) makes."""
   sizes = [int(np.prod(v.aval.shape)) for eqn in jaxpr.eqns for v in eqn.outvars]
   sizes += [_largest_value(sub) for eqn in jaxpr.eqns
-            for sub in jax.core.jaxprs_in_params(eqn.params)]
+            for sub in jcore.jaxprs_in_params(eqn.params)]
   return max(sizes)
 
 

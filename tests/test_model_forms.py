@@ -169,6 +169,7 @@ def _assert_trains_like_optax(form, mode):
   chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **TOL)
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_every_stacked_leaf_of_the_form_is_updated_in_the_loop(form):
   params, loss, batch, _ = FORMS[form](TINY)
@@ -182,11 +183,14 @@ def test_every_stacked_leaf_of_the_form_is_updated_in_the_loop(form):
 # axis-1 stack behind a transpose and bf16 casts) by default, the rest of the matrix with
 # ``-m slow``.
 _FAST_MODES = {"linen_axis1"}
-MODE_CASES = [pytest.param(form, mode, marks=() if mode == "backward" or form in _FAST_MODES
-                           else pytest.mark.slow)
+MODE_CASES = [pytest.param(form, mode, marks=(
+                  (() if mode == "backward" or form in _FAST_MODES else (pytest.mark.slow,))
+                  + ((models.CUSTOM_VJP3_REMAT_BUG,) if (form, mode) == ("outer_remat", "backward")
+                     else ())))
               for form in sorted(FORMS) for mode in ("backward", "forward", "two_pass")]
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("form,mode", MODE_CASES)
 def test_form_trains_like_optax_over_20_steps(form, mode):
   abstract, loss, batch_spec, dtype = FORMS[form](TINY)

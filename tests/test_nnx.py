@@ -186,6 +186,7 @@ def test_fused_step_matches_nnx_optimizer_update_over_50_steps(case, mode):
   chex.assert_trees_all_close(state, ref_state, **TOL)
 
 
+@pytest.mark.jax_upgrades
 def test_guarded_scanned_blocks_match_nnx_optimizer_update():
   ref_losses, ref_state = _reference("scanned_blocks")
   losses, state = _train("scanned_blocks", fused=True, guard=True)

@@ -111,6 +111,7 @@ def scanned_loss(params, tokens, targets, scale):
   return models.scanned_loss(params, tokens, targets) * scale
 
 
+@pytest.mark.jax_upgrades
 def test_two_pass_updates_scanned_layers_inside_the_backward_loop():
   fx = optfuse.fuse(GLOBAL["clip_by_global_norm+adamw"](), mode="backward", global_ops="two_pass")
   tokens, targets = models.tied_lm_batches()[0]
@@ -119,6 +120,7 @@ def test_two_pass_updates_scanned_layers_inside_the_backward_loop():
       "['layers']['w']": "loop"}
 
 
+@pytest.mark.jax_upgrades
 @pytest.mark.parametrize("name", ["clip_by_global_norm+adamw", "apply_if_finite(clip+adamw)"])
 def test_two_pass_of_a_scanned_model_matches_optax_over_50_steps(name):
   # The first backward loop reduces each layer's gradient rows into the squared norm and the

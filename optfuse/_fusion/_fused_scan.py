@@ -45,7 +45,7 @@ from optfuse._fusion._row_buffers import (
 )
 from optfuse._fusion._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._fusion._sites import Site
-from optfuse._jaxpr import _rows
+from optfuse._jaxpr import _interpreter, _rows
 from optfuse._targets._backends import CARRIED_STACKS, for_platform
 
 
@@ -168,7 +168,7 @@ class _ForwardLoop(NamedTuple):
     """``(carry, ys, saved residuals, carries, pre_out, param stacks)``; residuals are stacked
     (and the carries, if the backward needs them) only when ``residuals`` is given."""
     body, pre = self.body, self.pre
-    nk, save = body.eqn.params["num_carry"], residuals is not None
+    nk, save = _interpreter.scan_counts(body.eqn)[1], residuals is not None
 
     def step(state, xo_rows):
       k, c, stacks, slot_stacks = state
@@ -214,7 +214,7 @@ class _ForwardLoop(NamedTuple):
 
 def _body(eqn: jcore.JaxprEqn, site: Site, is_param_x: list) -> Body:
   prm = eqn.params
-  nc, nk, body_jaxpr = prm["num_consts"], prm["num_carry"], prm["jaxpr"].jaxpr
+  (nc, nk), body_jaxpr = _interpreter.scan_counts(eqn), prm["jaxpr"].jaxpr
   return Body(
       eqn, site, is_param_x, [is_float_aval(v) for v in body_jaxpr.invars[:nc]],
       [is_float_aval(v) for v in body_jaxpr.invars[nc:nc + nk]],
@@ -236,7 +236,7 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   Returns:
     The scan's outputs.
   """
-  nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+  nc, nk = _interpreter.scan_counts(eqn)
   consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
   is_param_x = [pos in site.positions for pos in range(len(xs_in))]
   pstacks = tuple(xs_in[pos] for pos in site.positions)
@@ -337,7 +337,7 @@ class _BackwardLoop(NamedTuple):
     """Iteration ``index``: the body's pullback, then each leaf's row updated (or, with
     ``stats``, reduced into its statistics); returns the new rows and the carry."""
     body, updater, site = self.body, self.updater, self.body.site
-    length, nk = body.length, body.eqn.params["num_carry"]
+    length, nk = body.length, _interpreter.scan_counts(body.eqn)[1]
     ct_c, ct_consts, ct_xo, accs = carry
     c_row = [row_at(c, index) for c in self.carries] if self.residuals.needs_carry else [None] * nk
     xo_rows = [row_at(x, index) for x in self.xs_other]
@@ -374,7 +374,7 @@ class _BackwardLoop(NamedTuple):
     param rows are read after the loop's first cotangent.
     """
     body, updater, axes = self.body, self.updater, self.body.site.axes
-    nk = body.eqn.params["num_carry"]
+    nk = _interpreter.scan_counts(body.eqn)[1]
     carry = (merge(split(ct_carry, body.fk)[0], [None] * (nk - sum(body.fk)), body.fk),
              [jnp.zeros_like(c) for c in self.float_consts],
              [jnp.zeros_like(x) for x in split(self.xs_other, body.fxo)[0]],

@@ -192,7 +192,7 @@ def _enter(interp: _LossInterpreter, eqn: jcore.JaxprEqn, ins: list) -> list:
   """Evaluates a call equation's body with its fused scans: inlined, or under the same
   ``jax.checkpoint`` for ``remat``."""
   body = _interpreter.call_body(eqn)
-  if eqn.primitive not in REWRAPPED_CALLS:
+  if _interpreter.primitive_of(eqn) not in REWRAPPED_CALLS:
     return interp.run(body.jaxpr, body.consts, ins)
   # Forward fusion updates no row inside a checkpoint (``LoopPlan.in_remat``), so nothing but
   # the outputs leaves it.
@@ -203,5 +203,4 @@ def _enter(interp: _LossInterpreter, eqn: jcore.JaxprEqn, ins: list) -> list:
     return interp.run(body.jaxpr, body.consts, vals)
 
   arrays = [x.value if d else x for x, d in zip(ins, deferred)]
-  return jax.checkpoint(rematted, prevent_cse=eqn.params["prevent_cse"],
-                        policy=eqn.params["policy"])(*arrays)
+  return jax.checkpoint(rematted, **_interpreter.remat_options(eqn))(*arrays)

@@ -32,6 +32,11 @@ _OPAQUE = {
     P.custom_vjp_call_p: "the scan sits inside a custom_vjp function, whose gradient rule is "
                          "user-defined",
 }
+if _interpreter.XLA_METADATA_CALL_P is not None:
+  # Inlined, its body would lose the XLA metadata the call attaches to it.
+  _OPAQUE[_interpreter.XLA_METADATA_CALL_P] = (
+      "the scan sits inside an xla_metadata_call, whose body optfuse does not rewrite (it would "
+      "drop the metadata); call xla_metadata_call inside the scan body instead")
 SHARED = ("read more than once (by two scans, or also outside its scan): its gradient is "
           "complete only after every read, so it is updated once after the backward pass")
 CLOSED_OVER = ("read whole by a loop body (closed over or carried), not as its scanned input: "
@@ -149,7 +154,7 @@ class Finder(_interpreter.Interpreter):
     body = _interpreter.call_body(eqn)
     if body is None or not any(ins):
       return self.default(eqn, ins)
-    rewrapped = eqn.primitive in REWRAPPED_CALLS
+    rewrapped = _interpreter.primitive_of(eqn) in REWRAPPED_CALLS
     self.remat_depth += rewrapped
     outs = self.walk(body.jaxpr, {iv: w for iv, w in zip(body.jaxpr.invars, ins) if w},
                      self.remat_problem if rewrapped else None)
@@ -163,7 +168,7 @@ class Finder(_interpreter.Interpreter):
       return self.default(eqn, ins)
     for inner in _jaxpr_params(eqn):
       self.walk(inner, {iv: w for iv, w in zip(_operands(eqn, inner), ins) if w},
-                _OPAQUE[eqn.primitive])
+                _OPAQUE[_interpreter.primitive_of(eqn)])
     return [None] * len(eqn.outvars)
 
   def path(self, eqn, ins) -> list:
@@ -186,7 +191,7 @@ class Finder(_interpreter.Interpreter):
     if not any(ins):
       return [None] * len(eqn.outvars)
     prm = eqn.params
-    start, length = prm["num_consts"] + prm["num_carry"], prm["length"]
+    start, length = sum(_interpreter.scan_counts(eqn)), prm["length"]
     positions, leaves, axes, paths = [], [], [], []
     inner: dict = {}
     for k, (w, iv) in enumerate(zip(ins, prm["jaxpr"].jaxpr.invars)):
@@ -237,7 +242,8 @@ def entered_calls(jaxpr: jcore.Jaxpr, marked: set) -> frozenset:
   def holds(jaxpr) -> bool:
     any_marked = False
     for eqn in jaxpr.eqns:
-      body = _interpreter.call_body(eqn) if eqn.primitive in _REWRITTEN_CALLS else None
+      rewritten = _interpreter.primitive_of(eqn) in _REWRITTEN_CALLS
+      body = _interpreter.call_body(eqn) if rewritten else None
       if body is not None and holds(body.jaxpr):
         found.add(id(eqn))
       any_marked |= id(eqn) in marked or id(eqn) in found

@@ -8,7 +8,8 @@ Every walk over a jaxpr (the dependency analysis here, the row evaluator ``_rows
 ``_sites``, the loss rewrite ``_loops``, the update flattener ``_global_stage``) is an
 ``Interpreter``: one evaluation skeleton with rules in a table keyed by primitive objects.
 ``CALL_PRIMITIVES`` is the one table of call-like primitives; a wrapper JAX adds later is one
-entry there. This is the only module that touches ``jax._src``.
+entry there. This is the only module that touches ``jax._src``, and the one place that knows how
+JAX versions differ in the equations they stage (docs/limits.md, "JAX versions").
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src import ad_checkpoint, hijax, xla_metadata
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: DCE through cond/calls
 from jax._src.pjit import reshard_p  # jax.sharding.reshard's primitive (not in jax.extend)
 from jax.extend import core as jcore
@@ -39,12 +41,58 @@ CALL_PRIMITIVES: dict[jcore.Primitive, str] = {
     P.custom_jvp_call_p: "call_jaxpr",
     P.custom_vjp_call_p: "call_jaxpr",
 }
+# ``jax.experimental.xla_metadata.xla_metadata_call`` (JAX 0.11, jax/_src/xla_metadata.py): its
+# body is an open jaxpr on the equation's operands.
+XLA_METADATA_CALL_P: jcore.Primitive | None = getattr(xla_metadata, "xla_metadata_call_p", None)
+if XLA_METADATA_CALL_P is not None:
+  CALL_PRIMITIVES[XLA_METADATA_CALL_P] = "jaxpr"
+
+# JAX's upgrade flags ``jax_remat3`` and ``jax_custom_vjp3`` (off by default through 0.11) stage
+# ``jax.checkpoint`` and ``jax.custom_vjp`` as one primitive, ``call_hi_primitive``, whose
+# ``_prim`` param says which: each counts as the primitive it replaces (``primitive_of``), with
+# the body below.
+_CALL_HI_P: jcore.Primitive = hijax.call_hi_primitive_p
+_HI_CALLS: dict[type, tuple[jcore.Primitive, Callable[[Any], Any]]] = {
+    ad_checkpoint.RematTraced: (P.remat_p, lambda prim: prim.jaxpr),
+    hijax.CustomVJPTraced: (P.custom_vjp_call_p, lambda prim: prim.traced.jaxpr),
+}
+
+
+def primitive_of(eqn: jcore.JaxprEqn) -> jcore.Primitive:
+  """The primitive whose rules apply to ``eqn``: its own, or for a ``call_hi_primitive`` of
+  ``jax.checkpoint`` or ``jax.custom_vjp``, ``remat_p`` or ``custom_vjp_call_p``."""
+  if eqn.primitive is not _CALL_HI_P:
+    return eqn.primitive
+  entry = _HI_CALLS.get(type(eqn.params["_prim"]))
+  return eqn.primitive if entry is None else entry[0]
+
+
+def remat_options(eqn: jcore.JaxprEqn) -> dict[str, Any]:
+  """The ``jax.checkpoint`` options of a remat equation (``primitive_of`` is ``remat_p``)."""
+  params = eqn.params["_prim"].params if eqn.primitive is _CALL_HI_P else eqn.params
+  return {"prevent_cse": params.get("prevent_cse", True), "policy": params["policy"]}
+
+
+def scan_counts(eqn: jcore.JaxprEqn) -> tuple[int, int]:
+  """A scan's numbers of constant and carried operands (the scanned ones follow them).
+
+  JAX 0.11 replaced the params ``num_consts`` and ``num_carry`` by ``ft_in``, a tree of the
+  operands grouped as (consts, carry, xs).
+  """
+  if "num_consts" in eqn.params:
+    return eqn.params["num_consts"], eqn.params["num_carry"]
+  consts, carry, _ = eqn.params["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 def call_body(eqn: jcore.JaxprEqn) -> jcore.ClosedJaxpr | None:
   """The body of a call-like equation (``CALL_PRIMITIVES``) as a closed jaxpr, else ``None``."""
-  name = CALL_PRIMITIVES.get(eqn.primitive)
-  inner = None if name is None else eqn.params.get(name)
+  entry = _HI_CALLS.get(type(eqn.params["_prim"])) if eqn.primitive is _CALL_HI_P else None
+  if entry is not None:
+    inner = entry[1](eqn.params["_prim"])
+  else:
+    name = CALL_PRIMITIVES.get(eqn.primitive)
+    inner = None if name is None else eqn.params.get(name)
   if inner is None:
     return None
   body = inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, ())
@@ -109,7 +157,7 @@ class Interpreter:
       for v, x in [*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)]:
         self.write(v, x)
       for eqn in jaxpr.eqns:
-        rule = self.rules.get(eqn.primitive)
+        rule = self.rules.get(primitive_of(eqn))
         ins = [self.read(v) for v in eqn.invars]
         outs = rule(self, eqn, ins) if rule is not None else self.default(eqn, ins)
         self.after(eqn, outs)
