@@ -28,6 +28,7 @@ from optfuse._base._errors import ParamsStructureError as ParamsStructureError
 from optfuse._base._errors import StateMismatchError as StateMismatchError
 from optfuse._base._errors import TargetError as TargetError
 from optfuse._base._errors import UnknownModeError as UnknownModeError
+from optfuse._base._options import FuseOptions as FuseOptions
 from optfuse._engines._forward_state import ForwardState as ForwardState
 from optfuse._engines._forward_state import from_optax_state as from_optax_state
 from optfuse._engines._forward_state import to_optax_state as to_optax_state

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optfuse._base import _checks, _memory_spaces
-from optfuse._base._errors import GuardError, UnknownModeError
+from optfuse._base import _checks
+from optfuse._base._options import FuseOptions
 from optfuse._engines._backward import BackwardEngine
 from optfuse._engines._engine import Engine
 from optfuse._engines._forward import ForwardEngine
@@ -20,9 +20,6 @@ from optfuse._engines._unfused import OffEngine
 from optfuse._jaxpr import _interpreter
 from optfuse._plan import _make
 from optfuse._targets import _backends
-
-MODES = ("backward", "forward", "off")
-GLOBAL_OPS = (None, "two_pass")
 
 
 class FusedTransformation(NamedTuple):
@@ -36,26 +33,41 @@ class FusedTransformation(NamedTuple):
       microbatches whose mean gradient makes one update (the mean loss is returned).
     flush: ``flush(params, state) -> (params, state)``; applies a pending forward-mode update,
       identity in the other modes.
-    mode: "backward", "forward" or "off".
     tx: the wrapped optax transformation.
-    global_ops: ``None`` or ``"two_pass"``, as passed to ``optfuse.fuse``.
-    offload: ``None`` or ``"state"``, as passed to ``optfuse.fuse``.
-    guard: whether the memory guard keeps only loops that lower the compiled peak.
+    options: the ``FuseOptions`` it runs with, as passed to ``optfuse.fuse``; ``mode``,
+      ``global_ops``, ``offload`` and ``guard`` read them.
   """
 
   init: Callable[[Any], Any]
   value_and_update: Callable[..., Callable[..., tuple[Any, Any, Any]]]
   flush: Callable[[Any, Any], tuple[Any, Any]]
-  mode: str
   tx: optax.GradientTransformation
-  global_ops: str | None = None
-  offload: str | None = None
-  guard: bool = False
+  options: FuseOptions
+
+  @property
+  def mode(self) -> str:
+    """The mode: "backward", "forward" or "off"."""
+    return self.options.mode
+
+  @property
+  def global_ops(self) -> str | None:
+    """``None`` or ``"two_pass"``."""
+    return self.options.global_ops
+
+  @property
+  def offload(self) -> str | None:
+    """``None`` or ``"state"``."""
+    return self.options.offload
+
+  @property
+  def guard(self) -> bool:
+    """Whether the memory guard keeps only loops that lower the compiled peak."""
+    return self.options.guard
 
 
-# The engine of each mode (``_engine.Engine``); ``ENGINE_OF`` names the engine of a
-# ``(mode, global_ops)`` pair where it is not the mode's own.
-ENGINES: dict[str, Callable[[optax.GradientTransformation], Engine]] = {
+# The engine of each mode (``_engine.Engine``), built from the transformation and the options;
+# ``ENGINE_OF`` names the engine of a ``(mode, global_ops)`` pair where it is not the mode's own.
+ENGINES: dict[str, Callable[[optax.GradientTransformation, FuseOptions], Engine]] = {
     "off": OffEngine,
     "backward": BackwardEngine,
     "two_pass": TwoPassEngine,
@@ -64,33 +76,11 @@ ENGINES: dict[str, Callable[[optax.GradientTransformation], Engine]] = {
 ENGINE_OF = {("backward", "two_pass"): "two_pass"}
 
 
-def make_engine(tx: optax.GradientTransformation, mode: str = "backward",
-                global_ops: str | None = None, offload: str | None = None,
-                guard: bool = False) -> Engine:
-  """The engine that runs ``tx`` in ``mode``, with ``global_ops``, ``offload`` and ``guard``.
-
-  Raises:
-    UnknownModeError: ``mode`` or ``global_ops`` is not one ``fuse`` accepts.
-    OffloadError: ``offload`` is not one ``fuse`` accepts, or does not run in ``mode``.
-    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
-  """
-  if mode not in MODES:
-    raise UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
-  if global_ops not in GLOBAL_OPS:
-    raise UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
-  _memory_spaces.check_offload(offload, mode, global_ops)
-  if not isinstance(guard, bool):
-    raise GuardError(f"guard must be True or False, not {guard!r}.")
-  if guard and mode != "backward":
-    raise GuardError(f'guard=True guards the loops of mode="backward", not mode={mode!r}; '
-                     'use mode="backward", or guard=False.')
-  name = ENGINE_OF.get((mode, global_ops), mode)
-  if offload is None:
-    return ENGINES[name](tx, guard=True) if guard else ENGINES[name](tx)
-  # Forward fusion streams the pending gradient too: its global stage from row statistics.
-  engine = (ForwardEngine(tx, streamed=True) if mode == "forward"
-            else ENGINES[mode](tx, guard=True) if guard else ENGINES[mode](tx))
-  return OffloadEngine(engine, whole=mode == "off")
+def make_engine(tx: optax.GradientTransformation, options: FuseOptions) -> Engine:
+  """The engine that runs ``tx`` with ``options``: the mode's, in host memory with
+  ``offload``."""
+  engine = ENGINES[ENGINE_OF.get((options.mode, options.global_ops), options.mode)](tx, options)
+  return engine if options.offload is None else OffloadEngine(engine)
 
 
 def fuse(tx: optax.GradientTransformation, mode: str = "backward",
@@ -124,7 +114,8 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
       ``False`` (default): every loop that can fuse is fused.
 
   Returns:
-    A ``FusedTransformation``.
+    A ``FusedTransformation``; its ``options`` are these keyword arguments as one
+    ``FuseOptions``.
 
   Raises:
     UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
@@ -142,7 +133,13 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     >>> float(loss)
     5.0
   """
-  engine = make_engine(tx, mode, global_ops, offload, guard)
+  return fuse_with(tx, FuseOptions(mode, global_ops, offload, guard))
+
+
+def fuse_with(tx: optax.GradientTransformation, options: FuseOptions) -> FusedTransformation:
+  """``fuse(tx, ...)`` with its options as one checked value (``train_step``, the Flax
+  adapters)."""
+  engine = make_engine(tx, options)
 
   def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
                        microbatches: int | None = None):
@@ -151,7 +148,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
 
   return FusedTransformation(engine.init, value_and_update,
                              _on_inputs_placement(_interpreter.with_shared_scalars(engine.flush)),
-                             mode, tx, global_ops, offload, guard)
+                             tx, options)
 
 
 def _on_inputs_placement(step: Callable) -> Callable:

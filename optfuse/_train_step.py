@@ -15,7 +15,8 @@ from typing import Any
 
 from optfuse._base import _memory_spaces
 from optfuse._base._errors import OffloadError
-from optfuse._fuse import MODES, fuse
+from optfuse._base._options import FuseOptions
+from optfuse._fuse import fuse_with
 
 
 def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
@@ -58,6 +59,10 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
     ``loss_fn``, a decorator that builds it.
 
   Raises:
+    UnknownModeError: ``mode`` or ``global_ops`` is not one ``optfuse.fuse`` accepts (when
+      ``train_step`` is called).
+    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode (when
+      ``train_step`` is called).
     ValueError: ``mode`` or ``global_ops`` contradicts that of an ``optfuse.linen.TrainState``.
     OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with ``global_ops``
       (when ``train_step`` is called); or it contradicts the ``offload`` of an
@@ -78,34 +83,36 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
   if loss_fn is None:
     return functools.partial(train_step, has_aux=has_aux, mode=mode, global_ops=global_ops,
                              microbatches=microbatches, guard=guard, offload=offload)
-  if mode is None or mode in MODES:  # an unknown mode is fuse's UnknownModeError, at the step
-    _memory_spaces.check_offload(offload, mode or "backward", global_ops)
+  # Checked here, once: a step on an optfuse.linen.TrainState runs with the state's own options,
+  # which must agree with those given.
+  options = FuseOptions(mode or "backward", global_ops, offload, guard)
   fused_by_tx: dict = {}
 
   @functools.wraps(loss_fn)
   def step(state, *args, **kwargs) -> tuple[Any, Any]:
-    if hasattr(state, "value_and_update") and getattr(state, "mode", None) is not None:
-      _check_agrees_with_state(state, mode=mode, global_ops=global_ops, offload=offload)
+    if hasattr(state, "value_and_update") and isinstance(getattr(state, "options", None),
+                                                         FuseOptions):
+      _check_agrees_with_state(state.options, mode=mode, global_ops=global_ops, offload=offload)
       return state.value_and_update(loss_fn, *args, has_aux=has_aux,
                                     microbatches=microbatches, **kwargs)
-    key = (state.tx, mode or "backward", global_ops, offload)
-    if key not in fused_by_tx:
-      fused_by_tx[key] = fuse(*key, guard=guard)
+    if state.tx not in fused_by_tx:
+      fused_by_tx[state.tx] = fuse_with(state.tx, options)
     if offload is not None:
       _check_slots_on_host(state.opt_state)
-    update = fused_by_tx[key].value_and_update(loss_fn, has_aux=has_aux,
-                                               microbatches=microbatches)
+    update = fused_by_tx[state.tx].value_and_update(loss_fn, has_aux=has_aux,
+                                                    microbatches=microbatches)
     value, params, opt_state = update(state.params, state.opt_state, *args, **kwargs)
     return value, state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
   return step
 
 
-def _check_agrees_with_state(state, **given) -> None:
-  """Raises unless each argument of ``train_step`` given is the one ``state`` was created with:
-  its ``opt_state`` has that mode's layout and that offload's placement."""
+def _check_agrees_with_state(options: FuseOptions, **given) -> None:
+  """Raises unless each argument of ``train_step`` given is the one in ``options``, those the
+  state was created with: its ``opt_state`` has that mode's layout and that offload's
+  placement."""
   for name, value in given.items():
-    own = getattr(state, name, None)
+    own = getattr(options, name)
     if value is not None and value != own:
       error = OffloadError if name == "offload" else ValueError
       raise error(

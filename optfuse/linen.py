@@ -1,7 +1,7 @@
 """Flax Linen adapter: a ``TrainState`` whose step fuses the optimizer update.
 
 ``optfuse.linen.TrainState`` is ``flax.training.train_state.TrainState`` with two more static
-fields (the fusion ``mode`` and the cached fused transformation) and one more method:
+fields (the fusion ``options`` and the cached fused transformation) and one more method:
 
 * ``state.value_and_update(loss_fn, *args)`` replaces
   ``jax.value_and_grad(loss_fn)(state.params, *args)`` followed by
@@ -26,7 +26,8 @@ from flax.training import train_state
 
 from optfuse._base import _memory_spaces
 from optfuse._base._errors import ParamsStructureError
-from optfuse._fuse import FusedTransformation, fuse
+from optfuse._base._options import FuseOptions
+from optfuse._fuse import FusedTransformation, fuse, fuse_with
 
 
 class TrainState(train_state.TrainState):
@@ -39,12 +40,10 @@ class TrainState(train_state.TrainState):
     tx: the optax transformation.
     opt_state: the state of ``tx``; exactly ``tx.init(params)`` at creation in "backward" and
       "off" mode, so checkpoints and ``apply_gradients`` interoperate with plain Flax.
-    mode: the fusion mode, "backward", "forward" or "off" (static: part of the jit cache key).
-    global_ops: ``None`` or ``"two_pass"`` (see ``optfuse.fuse``; static).
-    guard: whether backward mode keeps only the loops that lower the compiled peak (see
-      ``optfuse.fuse``; static).
-    offload: ``None`` or ``"state"``: the slots of ``opt_state`` (Adam's ``mu`` and ``nu``) in
-      ``pinned_host`` memory, streamed through the fused step (see ``optfuse.fuse``; static).
+    options: the ``optfuse.FuseOptions`` of ``create`` (static: part of the jit cache key);
+      ``mode``, ``global_ops``, ``guard`` and ``offload`` read them. With ``offload="state"``
+      the slots of ``opt_state`` (Adam's ``mu`` and ``nu``) live in ``pinned_host`` memory,
+      streamed through the fused step (see ``optfuse.fuse``).
     fused: the ``optfuse.fuse(tx, mode, global_ops, offload, guard)`` transformation, built
       once by ``create`` and carried along by ``replace`` so that its update plans are cached
       across steps.
@@ -75,12 +74,29 @@ class TrainState(train_state.TrainState):
     'pinned_host'
   """
 
-  mode: str = struct.field(pytree_node=False, default="backward", kw_only=True)
-  global_ops: str | None = struct.field(pytree_node=False, default=None, kw_only=True)
-  guard: bool = struct.field(pytree_node=False, default=False, kw_only=True)
-  offload: str | None = struct.field(pytree_node=False, default=None, kw_only=True)
+  options: FuseOptions = struct.field(pytree_node=False, default=FuseOptions(), kw_only=True)
   fused: FusedTransformation | None = struct.field(
       pytree_node=False, default=None, kw_only=True, repr=False)
+
+  @property
+  def mode(self) -> str:
+    """The fusion mode, "backward", "forward" or "off"."""
+    return self.options.mode
+
+  @property
+  def global_ops(self) -> str | None:
+    """``None`` or ``"two_pass"``."""
+    return self.options.global_ops
+
+  @property
+  def guard(self) -> bool:
+    """Whether backward mode keeps only the loops that lower the compiled peak."""
+    return self.options.guard
+
+  @property
+  def offload(self) -> str | None:
+    """``None`` or ``"state"``: the slots of ``opt_state`` in ``pinned_host`` memory."""
+    return self.options.offload
 
   @classmethod
   def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation,
@@ -120,15 +136,13 @@ class TrainState(train_state.TrainState):
           "flax.training.train_state.TrainState for fp8 training.")
     fused = fuse(tx, mode, global_ops, offload, guard)
     return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=fused.init(params),
-               mode=mode, global_ops=global_ops, guard=guard, offload=offload, fused=fused,
-               **kwargs)
+               options=fused.options, fused=fused, **kwargs)
 
   def _fused(self) -> FusedTransformation:
-    if (self.fused is not None and self.fused.tx is self.tx and self.fused.mode == self.mode
-        and self.fused.global_ops == self.global_ops and self.fused.guard == self.guard
-        and self.fused.offload == self.offload):
+    if (self.fused is not None and self.fused.tx is self.tx
+        and self.fused.options == self.options):
       return self.fused
-    return fuse(self.tx, self.mode, self.global_ops, self.offload, self.guard)
+    return fuse_with(self.tx, self.options)
 
   def apply_gradients(self, *, grads, **kwargs) -> TrainState:
     """Flax's ``apply_gradients``: optax's update of ``params`` and ``opt_state`` by ``grads``.

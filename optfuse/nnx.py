@@ -26,6 +26,7 @@ from flax.nnx.training import optimizer as nnx_optimizer
 
 from optfuse._base import _memory_spaces
 from optfuse._base._checks import check_loss
+from optfuse._base._options import FuseOptions
 from optfuse._fuse import fuse
 
 M = TypeVar("M", bound=nnx.Module)
@@ -44,12 +45,9 @@ class Optimizer(nnx.Optimizer[M]):
   "off" mode) are those of ``nnx.Optimizer``, so ``update(model, grads)`` still works.
 
   Attributes:
-    mode: the fusion mode, "backward", "forward" or "off".
-    global_ops: ``None`` or ``"two_pass"`` (see ``optfuse.fuse``).
-    guard: whether backward mode keeps only the loops that lower the compiled peak (see
-      ``optfuse.fuse``).
-    offload: ``None`` or ``"state"``: the slots of ``opt_state`` in ``pinned_host`` memory,
-      streamed through the fused step (see ``optfuse.fuse``).
+    options: the ``optfuse.FuseOptions`` of the constructor; ``mode``, ``global_ops``,
+      ``guard`` and ``offload`` read them. With ``offload="state"`` the slots of ``opt_state``
+      live in ``pinned_host`` memory, streamed through the fused step (see ``optfuse.fuse``).
     fused: the ``optfuse.fuse(tx, mode, global_ops, offload, guard)`` transformation; it
       caches the update plans.
 
@@ -113,11 +111,32 @@ class Optimizer(nnx.Optimizer[M]):
     self._layout = (layout[1], tuple(_path_key(path) for path, _ in layout[0]))
     self.opt_state = nnx.data(opt_state)
     self.wrt = wrt
-    self.mode = mode
-    self.global_ops = global_ops
-    self.guard = guard
-    self.offload = offload
     self.fused = fused
+
+  @property
+  def options(self) -> FuseOptions:
+    """The options of the fused step."""
+    return self.fused.options
+
+  @property
+  def mode(self) -> str:
+    """The fusion mode, "backward", "forward" or "off"."""
+    return self.options.mode
+
+  @property
+  def global_ops(self) -> str | None:
+    """``None`` or ``"two_pass"``."""
+    return self.options.global_ops
+
+  @property
+  def guard(self) -> bool:
+    """Whether backward mode keeps only the loops that lower the compiled peak."""
+    return self.options.guard
+
+  @property
+  def offload(self) -> str | None:
+    """``None`` or ``"state"``: the slots of ``opt_state`` in ``pinned_host`` memory."""
+    return self.options.offload
 
   def update(self, model: M, grads, /, **kwargs) -> optax.Updates:
     """``nnx.Optimizer.update``: optax's update of ``model`` and the state by ``grads``.

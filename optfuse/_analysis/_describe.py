@@ -44,8 +44,8 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
   """Says where each parameter leaf is updated, without running anything.
 
   Args:
-    tx: an optax transformation (placements of backward mode), or a ``FusedTransformation``
-      (placements of its mode).
+    tx: a ``FusedTransformation`` (the placements of its step: the engine of its ``options``),
+      or an optax transformation (those of ``optfuse.fuse(tx)``'s step: backward mode).
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     params: params or their ``jax.ShapeDtypeStruct`` values.
     *args: the loss's other arguments (arrays or ``jax.ShapeDtypeStruct`` values).
@@ -77,21 +77,24 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     >>> optfuse.describe(optax.adam(1e-3), loss, params, jnp.ones(3))
     {"['head']": 'tap', "['layers']": 'loop'}
   """
-  engine = (_fuse.make_engine(tx.tx, tx.mode, tx.global_ops, guard=tx.guard)
-            if isinstance(tx, _fuse.FusedTransformation) else _fuse.make_engine(tx))
+  # The engine of the step described, from its options: ``fuse(tx)``'s for a plain optax ``tx``.
+  fx = tx if isinstance(tx, _fuse.FusedTransformation) else _fuse.fuse(tx)
+  engine = _fuse.make_engine(fx.tx, fx.options)
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   params = jax.tree.map(spec, params)
   args, kwargs = jax.tree.map(spec, (args, kwargs))
   leaves = jax.tree.leaves(params)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  state = jax.eval_shape(engine.init, params)
   found: list = []
-  jax.eval_shape(lambda p, s, a, kw: found.append(engine.placements(loss_fn, p, s, a, kw)),
-                 params, state, args, kwargs)
+  # ``init`` in the same trace: its state keeps its memory space (the host-resident slots and
+  # pending gradient of ``offload="state"``), which ``eval_shape``'s outputs drop.
+  jax.eval_shape(lambda p, a, kw: found.append(engine.placements(loss_fn, p, engine.init(p), a,
+                                                                 kw)),
+                 params, args, kwargs)
   placed, reasons = found[0]
   diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
   label = lambda i: placed.get(i, engine.unplaced) if i in diff else "carried"
-  offload = isinstance(tx, _fuse.FusedTransformation) and tx.offload is not None
+  offload = fx.offload is not None
   return Placements({path: label(i) for i, path in enumerate(paths)},
                     {paths[i]: why for i, why in reasons.items()
                      if i in diff and placed.get(i) != "loop"},

@@ -16,6 +16,7 @@ it needed, instead of raising.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -122,7 +123,8 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
   """
   kwargs = dict(kwargs or {})
   # The offloaded state is laid out from the device-resident init (``_inputs.offloaded_on``).
-  init = fx.init if fx.offload is None else _fuse.fuse(fx.tx, fx.mode, fx.global_ops).init
+  init = (fx.init if fx.offload is None
+          else _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init)
   if target is None:
     state = jax.eval_shape(init, params)
   else:

@@ -24,22 +24,6 @@ import jax.numpy as jnp
 
 from optfuse._base._errors import OffloadError
 
-# What ``fuse``'s ``offload`` accepts.
-OFFLOADS = (None, "state")
-# The modes that run with ``offload="state"`` in this version.
-OFFLOAD_MODES = ("backward", "forward", "off")
-
-
-def check_offload(offload: Any, mode: str, global_ops: str | None) -> None:
-  """Raises ``OffloadError`` unless ``offload`` runs in ``mode`` with ``global_ops``."""
-  if offload not in OFFLOADS:
-    raise OffloadError(f'unknown offload {offload!r}; use None or "state".')
-  if offload is not None and (mode not in OFFLOAD_MODES or global_ops is not None):
-    raise OffloadError(
-        f'offload="state" runs in modes "backward", "forward" and "off" without global_ops, not '
-        f'in mode={mode!r} with global_ops={global_ops!r}. For global clipping with offloaded '
-        'state use mode="forward", which streams the pending gradient too.')
-
 
 def _memory_space(x) -> Any:
   try:

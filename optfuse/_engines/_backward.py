@@ -16,6 +16,7 @@ import jax
 import optax
 
 from optfuse._base import _checks, _leaves
+from optfuse._base._options import FuseOptions
 from optfuse._engines import _guard
 from optfuse._engines._engine import Step
 from optfuse._fusion import _accumulate, _fused_step, _loops
@@ -29,9 +30,8 @@ class BackwardEngine:
   unplaced = "tap"
   two_pass = False
 
-  def __init__(self, tx: optax.GradientTransformation, guard: bool = False):
-    self.tx = tx
-    self.guard = guard
+  def __init__(self, tx: optax.GradientTransformation, options: FuseOptions):
+    self.tx, self.options = tx, options
     self.plans = _GuardedPlans(PlanCache(self.make_plan))
 
   def make_plan(self, params, state) -> Plan:
@@ -55,7 +55,7 @@ class BackwardEngine:
 
   def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
     inner = self.unchecked(loss_fn, has_aux, microbatches)
-    if self.guard:
+    if self.options.guard:
       inner = self.guarded(inner, loss_fn)
     return _checks.checked_step(self.tx, inner)
 
@@ -99,7 +99,7 @@ class BackwardEngine:
 
   def placements(self, loss_fn, params, state, args, kwargs):
     loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-    if self.guard:
+    if self.options.guard:
       inner = self.unchecked(loss_fn, _checks.returns_pair(loss_fn, params, args, kwargs), 1)
       refused = self.decide(inner, loop_plan, params, state, args, kwargs)
       if refused:

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import optax
 
+from optfuse._base._options import FuseOptions
+
 # ``step(params, state, *args, **kwargs) -> (value, params, state)``.
 Step = Callable[..., tuple[Any, Any, Any]]
 
@@ -25,13 +27,18 @@ Step = Callable[..., tuple[Any, Any, Any]]
 class Engine(Protocol):
   """One mode of running a training step.
 
+  An engine is built from the transformation and the ``FuseOptions`` of the step it runs
+  (``_fuse.ENGINES``), and keeps them.
+
   Attributes:
     tx: the wrapped optax transformation.
+    options: the options of the step it runs.
     unplaced: where ``placements`` says a float leaf runs when it names no other place
       ("tap", "leaf", "optax").
   """
 
   tx: optax.GradientTransformation
+  options: FuseOptions
   unplaced: str
 
   def init(self, params) -> Any:

@@ -54,6 +54,7 @@ from optfuse._base import _leaves
 from optfuse._base._checks import check_params
 from optfuse._base._errors import NonSeparableError, OffloadError
 from optfuse._base._memory_spaces import is_host, like
+from optfuse._base._options import FuseOptions
 from optfuse._engines._engine import Step
 from optfuse._engines._forward_state import ForwardState, check_forward_state, no_pending
 from optfuse._fusion import _accumulate, _fused_step, _loops
@@ -299,8 +300,10 @@ class ForwardEngine:
 
   unplaced = "leaf"
 
-  def __init__(self, tx: optax.GradientTransformation, streamed: bool = False):
-    self.tx = tx
+  def __init__(self, tx: optax.GradientTransformation, options: FuseOptions):
+    self.tx, self.options = tx, options
+    # With offload="state" the pending gradient is streamed from host memory too.
+    streamed = options.offload is not None
     self.plans = PlanCache(lambda params, opt_state: _make_plan(tx, params, opt_state, streamed))
 
   def init(self, params) -> ForwardState:

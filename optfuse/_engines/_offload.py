@@ -24,12 +24,12 @@ from optfuse._engines._engine import Engine, Step
 
 
 class OffloadEngine:
-  """``engine`` with its state's slots in host memory; ``whole``: fetched whole for the step
-  (otherwise the engine streams them itself)."""
+  """``engine`` with its state's slots in host memory: fetched whole for optax's step (mode
+  "off"), streamed by the fused modes' engines themselves."""
 
-  def __init__(self, engine: Engine, whole: bool):
-    self.engine, self.whole = engine, whole
-    self.tx, self.unplaced = engine.tx, engine.unplaced
+  def __init__(self, engine: Engine):
+    self.engine, self.whole = engine, engine.options.mode == "off"
+    self.tx, self.options, self.unplaced = engine.tx, engine.options, engine.unplaced
 
   def init(self, params):
     return _memory_spaces.state_to_host(self.engine.init(params))

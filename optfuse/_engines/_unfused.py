@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from optfuse._base import _checks, _leaves
+from optfuse._base._options import FuseOptions
 from optfuse._engines._engine import Step
 from optfuse._fusion import _accumulate
 
@@ -55,8 +56,8 @@ class OffEngine:
 
   unplaced = "optax"
 
-  def __init__(self, tx: optax.GradientTransformation):
-    self.tx = tx
+  def __init__(self, tx: optax.GradientTransformation, options: FuseOptions):
+    self.tx, self.options = tx, options
 
   def init(self, params):
     _checks.check_params(params)
