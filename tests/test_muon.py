@@ -8,7 +8,8 @@ preconditioning) that the row evaluator runs on one layer's matrix. The model is
 remat decoder shaped as LLMs are: RMSNorm scales (L, d), attention ``wq/wk/wv`` (L, d, heads,
 head_dim) and ``wo`` (L, heads, head_dim, d), a SwiGLU MLP ``w1/w3`` (L, d, ff) and ``w2``
 (L, ff, d); norms, embedding and head on Muon's AdamW fallback. It is also stored with the layer
-axis second (MaxText's ``param_scan_axis=1``), moved first for the scan.
+axis second (MaxText's ``param_scan_axis=1``), moved first for the scan, and trained with
+microbatches and with the optimizer state offloaded to host memory.
 """
 
 import chex
@@ -155,4 +156,20 @@ def test_backward_fused_muon_trains_like_optax_over_20_steps(layer_axis):
   params, loss = decoder_params(layer_axis), _loss(layer_axis)
   got = models.run_fused(_muon(layer_axis), "backward", params, _batches(), 20, loss)
   want = models.run_optax(_muon(layer_axis), params, _batches(), 20, loss)
+  chex.assert_trees_all_close(got[:2], want[:2], rtol=RTOL, atol=ATOL)
+
+
+def _run(fx, microbatches=None):
+  params = decoder_params()
+  step = fx.value_and_update(decoder_loss, microbatches=microbatches)
+  return models.run_steps(step, params, fx.init(params), _batches(), 20)
+
+
+@pytest.mark.parametrize("options", [dict(microbatches=2), dict(offload="state")],
+                         ids=["microbatches", "offload_state"])
+def test_backward_fused_muon_trains_like_the_unfused_step(options):
+  options = dict(options)
+  microbatches = options.pop("microbatches", None)
+  got = _run(optfuse.fuse(_muon(), mode="backward", **options), microbatches)
+  want = _run(optfuse.fuse(_muon(), mode="off"), microbatches)
   chex.assert_trees_all_close(got[:2], want[:2], rtol=RTOL, atol=ATOL)
