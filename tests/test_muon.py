@@ -9,8 +9,14 @@ remat decoder shaped as LLMs are: RMSNorm scales (L, d), attention ``wq/wk/wv`` 
 head_dim) and ``wo`` (L, heads, head_dim, d), a SwiGLU MLP ``w1/w3`` (L, d, ff) and ``w2``
 (L, ff, d); norms, embedding and head on Muon's AdamW fallback. It is also stored with the layer
 axis second (MaxText's ``param_scan_axis=1``), moved first for the scan, and trained with
-microbatches and with the optimizer state offloaded to host memory.
+microbatches, with the optimizer state offloaded to host memory, and on an FSDP mesh of eight
+simulated CPU devices (``_muon_fsdp_worker.py``, in its own process).
 """
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import chex
 import jax
@@ -173,3 +179,13 @@ def test_backward_fused_muon_trains_like_the_unfused_step(options):
   got = _run(optfuse.fuse(_muon(), mode="backward", **options), microbatches)
   want = _run(optfuse.fuse(_muon(), mode="off"), microbatches)
   chex.assert_trees_all_close(got[:2], want[:2], rtol=RTOL, atol=ATOL)
+
+
+def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_unfused_step():
+  """The worker checks ``describe`` and the 20 steps on the mesh (the device count is fixed when
+  JAX starts, hence the subprocess; the XLA flags of this process travel with it)."""
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  proc = subprocess.run([sys.executable, str(Path(__file__).parent / "_muon_fsdp_worker.py")],
+                        env=dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
