@@ -9,8 +9,9 @@ remat decoder shaped as LLMs are: RMSNorm scales (L, d), attention ``wq/wk/wv`` 
 head_dim) and ``wo`` (L, heads, head_dim, d), a SwiGLU MLP ``w1/w3`` (L, d, ff) and ``w2``
 (L, ff, d); norms, embedding and head on Muon's AdamW fallback. It is also stored with the layer
 axis second (MaxText's ``param_scan_axis=1``), moved first for the scan, and trained with
-microbatches, with the optimizer state offloaded to host memory, and on an FSDP mesh of eight
-simulated CPU devices (``_muon_fsdp_worker.py``, in its own process).
+microbatches, with the optimizer state offloaded to host memory, in forward mode (each layer's
+update just before its use in the next step), and on an FSDP mesh of eight simulated CPU
+devices (``_muon_fsdp_worker.py``, in its own process).
 """
 
 import os
@@ -171,14 +172,23 @@ def _run(fx, microbatches=None):
   return models.run_steps(step, params, fx.init(params), _batches(), 20)
 
 
-@pytest.mark.parametrize("options", [dict(microbatches=2), dict(offload="state")],
-                         ids=["microbatches", "offload_state"])
-def test_backward_fused_muon_trains_like_the_unfused_step(options):
+@pytest.mark.parametrize("options", [
+    dict(mode="backward", microbatches=2), dict(mode="backward", offload="state"),
+    dict(mode="forward")], ids=["backward_microbatches", "backward_offload_state", "forward"])
+def test_fused_muon_trains_like_the_unfused_step(options):
   options = dict(options)
   microbatches = options.pop("microbatches", None)
-  got = _run(optfuse.fuse(_muon(), mode="backward", **options), microbatches)
+  fx = optfuse.fuse(_muon(), **options)
+  losses, params, state = _run(fx, microbatches)
+  params = fx.flush(params, state)[0] if options["mode"] == "forward" else params
   want = _run(optfuse.fuse(_muon(), mode="off"), microbatches)
-  chex.assert_trees_all_close(got[:2], want[:2], rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close((losses, params), want[:2], rtol=RTOL, atol=ATOL)
+
+
+def test_forward_fusion_puts_every_stacked_muon_matrix_in_its_loop():
+  fx = optfuse.fuse(_muon(), mode="forward")
+  where = optfuse.describe(fx, decoder_loss, decoder_params(), *_batches()[0])
+  assert all(where[m] == "loop" for m in MATRICES), where.table()
 
 
 def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_unfused_step():
