@@ -5,21 +5,28 @@ along its *stacked axis* belongs to layer ``l`` (axis 0 for ``lax.scan`` over th
 for MaxText's ``nn.scan(variable_axes={"params": 1})``). Inside the backward loop only one row
 of the gradient exists at a time, so the fused update must compute row ``l`` of the new param and
 state from row ``l`` of the gradient, param and state. That is exact only when the update never
-mixes rows: Adam does not, LAMB's trust ratio (a norm over the whole leaf) and Adafactor's
-factored moments over the stacked axis do.
+mixes rows: Adam does not, nor does Muon with the stacked axis as a batch axis of its matrices
+(each layer's matrix is orthogonalised on its own); LAMB's trust ratio (a norm over the whole
+leaf) and Adafactor's factored moments over the stacked axis do.
 
 ``evaluate_rows`` interprets a jaxpr on rows. Each value is either full or a ``_Row``: the slice
-of a stacked value at one index, with the position its stacked axis had. A row rule
-(``ROW_RULES``, keyed by primitive) rewrites an equation's shape parameters for rows
-(``broadcast_in_dim`` shapes, reduction axes, ``dot_general`` dimensions...) and says where the
-stacked axis of each output is; an equation that would combine different rows raises
-``NotRowwise``. Running it abstractly (under ``jax.eval_shape``) is the static test of whether a
-leaf can be updated inside the loop, and by construction it accepts exactly what it can evaluate.
-The same rules move the row-preserving operations between a stored param and a scan (a dtype
-cast, ``moveaxis``) into the loop body (``apply_path``).
+of a stacked value at one index, with the position its stacked axis had. Equations on full values
+are bound as they are; an equation that reads a row runs through its primitive's row rule
+(``ROW_RULES``, one table keyed by primitive object, as in ``jax.experimental.jet``). A rule gets
+the evaluator, the equation and its inputs, and returns its outputs, rows or full: most rules
+only rewrite the equation's shape parameters for rows (``broadcast_in_dim`` shapes, reduction
+axes, ``dot_general`` dimensions...; ``params_rule`` lifts such a rewrite into the table), while
+the rules of higher-order primitives run their bodies again on rows (a call's body, a ``cond``'s
+branches, the body of a ``scan`` or ``while_loop`` whose carry holds rows: Muon's Newton-Schulz
+iterations). An equation that would combine different rows raises ``NotRowwise``; a primitive
+without a rule raises ``NoRowRule``, its subclass: whether it mixes rows is not known. Running
+the evaluator abstractly (under ``jax.eval_shape``) is the static test of whether a leaf can be
+updated inside the loop, and by construction it accepts exactly what it can evaluate. The same
+rules move the row-preserving operations between a stored param and a scan (a dtype cast,
+``moveaxis``) into the loop body (``apply_path``).
 
-The rules come first in this module, keyed by primitive object as in ``jax.experimental.jet``,
-the evaluator after them: adding a primitive is one entry of ``ROW_RULES``.
+The parameter rules come first in this module, then the values of the evaluation and the rules
+that run bodies, the table, and the evaluator: adding a primitive is one entry of ``ROW_RULES``.
 """
 
 from __future__ import annotations
@@ -44,7 +51,20 @@ from optfuse._jaxpr._interpreter import (
 
 
 class NotRowwise(Exception):
-  """The computation combines different rows of a stacked leaf."""
+  """The computation combines different rows of a stacked leaf (or, as ``NoRowRule``, is not
+  known not to)."""
+
+
+class NoRowRule(NotRowwise):
+  """A primitive that reads a row has no row rule yet: whether it mixes rows is not known.
+
+  Attributes:
+    primitive: the primitive's name.
+  """
+
+  def __init__(self, primitive: str):
+    super().__init__(f"{primitive} has no row rule")
+    self.primitive = primitive
 
 
 class RowParams(NamedTuple):
@@ -63,9 +83,9 @@ class RowParams(NamedTuple):
   out_axes: tuple[int, ...]
 
 
-# A row rule: ``rule(eqn, axes, length) -> RowParams``; ``axes[i]`` is the stacked axis of
+# A parameter rule: ``how(eqn, axes, length) -> RowParams``; ``axes[i]`` is the stacked axis of
 # input ``i`` if it is a row, else ``None``. It raises ``NotRowwise`` when rows would mix.
-RowRule = Callable[[jcore.JaxprEqn, Sequence[Any], int], RowParams]
+ParamsRule = Callable[[jcore.JaxprEqn, Sequence[Any], int], RowParams]
 
 
 def drop_axis(axes: Sequence[int], a: int) -> tuple[int, ...]:
@@ -157,7 +177,7 @@ def _squeeze(eqn, axes, length):
                    (a - sum(d < a for d in dims),))
 
 
-def _along(key: str) -> RowRule:
+def _along(key: str) -> ParamsRule:
   """A rule for an equation that works along the axis ``params[key]`` and keeps the others
   (cumulative reductions, ``concatenate``, ``split``)."""
   def rule(eqn, axes, length):
@@ -275,42 +295,6 @@ def _gather(eqn, axes, length):
   return RowParams(params, (None, None), (out,))
 
 
-_ELEMENTWISE = (
-    "abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz "
-    "complex conj convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 "
-    "expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt "
-    "max min mul ne neg nextafter not or polygamma population_count pow real reduce_precision rem "
-    "round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt "
-    "square stop_gradient sub tan tanh xor zeta").split()
-_REDUCTIONS = ("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
-               "argmax argmin").split()
-
-ROW_RULES: dict[jcore.Primitive, RowRule] = {
-    **{getattr(P, f"{name}_p"): _elementwise for name in _ELEMENTWISE if hasattr(P, f"{name}_p")},
-    **{getattr(P, f"{name}_p"): _reduction for name in _REDUCTIONS},
-    **{getattr(P, f"{name}_p"): _along("axis")
-       for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
-    P.broadcast_in_dim_p: _broadcast_in_dim,
-    P.reshape_p: _reshape,
-    P.transpose_p: _transpose,
-    P.squeeze_p: _squeeze,
-    P.slice_p: _slice,
-    P.concatenate_p: _along("dimension"),
-    P.dot_general_p: _dot_general,
-    P.sharding_constraint_p: _sharding_constraint,
-    RESHARD_P: _reshard,
-    P.bitcast_convert_type_p: _bitcast_convert_type,
-    P.pad_p: _pad,
-    P.gather_p: _gather,
-}
-
-# Equations that keep each row of their one operand a row of their output: the operations that
-# may stand between a stored stacked param and the scan that reads it (``apply_path``).
-PATH_PRIMITIVES = frozenset([
-    P.convert_element_type_p, P.copy_p, P.reduce_precision_p, P.transpose_p, P.reshape_p,
-    P.squeeze_p, P.broadcast_in_dim_p, P.sharding_constraint_p,
-])
-
 class RowReduction(NamedTuple):
   """How the values of a reduction on each row combine into its value over all rows.
 
@@ -340,17 +324,6 @@ ROW_COMBINE: dict[jcore.Primitive, RowReduction] = {
     P.reduce_or_p: RowReduction(lax.bitwise_or, lambda shape, dtype: jnp.zeros(shape, dtype)),
 }
 
-
-def row_params(eqn: jcore.JaxprEqn, axes: Sequence[int | None], length: int) -> RowParams:
-  """How ``eqn`` runs when the inputs with an axis in ``axes`` are rows.
-
-  Raises:
-    NotRowwise: the equation combines different rows, or has no row rule.
-  """
-  rule = ROW_RULES.get(eqn.primitive)
-  if rule is None:
-    raise NotRowwise(f"{eqn.primitive.name} has no row rule")
-  return rule(eqn, list(axes), length)
 
 class _Row:
   """A value known only as its row ``index`` of a stacked array, stacked along ``axis``."""
@@ -383,58 +356,284 @@ def take_row(x, index, length: int, axis: int = 0):
   return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
 
 
-def _bind_rows(eqn: jcore.JaxprEqn, ins: list, index, length: int) -> list:
-  """``eqn`` on inputs some of which are ``_Row``s; its outputs as ``_Row``s."""
-  how = row_params(eqn, [x.axis if isinstance(x, _Row) else None for x in ins], length)
-  vals = [x.value if isinstance(x, _Row) else x if a is None else take_row(x, index, length, a)
-          for x, a in zip(ins, how.full_axes)]
-  if how.params is None:
-    outs = vals[:1]
-  else:
-    outs = eqn.primitive.bind(*vals, **how.params)
-    outs = outs if eqn.primitive.multiple_results else [outs]
-  return [_Row(o, a) for o, a in zip(outs, how.out_axes)]
+def _wrap_axes(values: Sequence[Any], axes: Sequence[int | None]) -> list:
+  return [x if a is None else _Row(x, a) for x, a in zip(values, axes, strict=True)]
 
 
-def _has_rows(ins: list) -> bool:
-  return any(isinstance(x, _Row) for x in ins)
+def _unwrap(values: Sequence[Any]) -> list:
+  return [x.value if isinstance(x, _Row) else x for x in values]
 
 
-def _row_call(interp: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
-  body = call_body(eqn)
-  if body is None or not _has_rows(ins) or any(isinstance(x, _Partial) for x in ins):
-    return interp.default(eqn, ins)
-  return interp.run(body.jaxpr, body.consts, ins)
+def _axes_of(values: Sequence[Any]) -> list[int | None]:
+  return [x.axis if isinstance(x, _Row) else None for x in values]
 
 
-def _row_reduction(interp: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
-  """With ``partial``, a reduction over the stacked axis of a row is its partial value."""
+# A row rule: ``rule(rows, eqn, ins) -> outs``, as an ``Interpreter`` rule: ``rows`` is the
+# evaluator (``_RowEvaluator``), ``ins`` the equation's inputs, at least one of them a ``_Row``
+# or a ``_Partial``, and ``outs`` one ``_Row``, ``_Partial`` or full value per outvar. It raises
+# ``NotRowwise`` when rows would mix.
+RowRule = Callable[["_RowEvaluator", jcore.JaxprEqn, list], list]
+
+
+class ParamsRowRule:
+  """The row rule of a primitive whose equation runs on rows with rewritten params: it lifts a
+  parameter rule into ``ROW_RULES``.
+
+  Attributes:
+    how: the parameter rule, ``how(eqn, axes, length) -> RowParams``.
+  """
+
+  __slots__ = ("how",)
+
+  def __init__(self, how: ParamsRule):
+    self.how = how
+
+  def __call__(self, rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
+    return rows.bind(eqn, ins, self.how(eqn, rows.axes(eqn, ins), rows.length))
+
+
+def _reduction_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
+  """A reduction on a row; with ``partial``, one over the stacked axis is its partial value."""
   row = ins[0]
-  if not (interp.partial and isinstance(row, _Row) and row.axis in eqn.params["axes"]):
-    return interp.default(eqn, ins)
+  if not (rows.partial and eqn.primitive in ROW_COMBINE and isinstance(row, _Row)
+          and row.axis in eqn.params["axes"]):
+    return _REDUCTION(rows, eqn, ins)
   params = clear_params(dict(eqn.params, axes=drop_axis(eqn.params["axes"], row.axis)),
                         "out_sharding")
   return [_Partial(eqn.primitive.bind(row.value, **params), eqn.primitive)]
 
 
+def _call_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
+  """A call (``CALL_PRIMITIVES``): its body evaluated on the rows."""
+  body = call_body(eqn)
+  if body is None:
+    raise NoRowRule(eqn.primitive.name)
+  rows.axes(eqn, ins)
+  return rows.run(body.jaxpr, body.consts, ins)
+
+
+def _out_axes(rows: _RowEvaluator, body: jcore.ClosedJaxpr, ins: list) -> list[int | None]:
+  """The stacked axis of each output of ``body`` evaluated on ``ins`` (``None``: full), found
+  abstractly."""
+  found: list = []
+
+  def probe(*values):
+    outs = rows.run(body.jaxpr, body.consts, _wrap_axes(values, _axes_of(ins)))
+    found[:] = [rows.output_axis(o) for o in outs]
+    return _unwrap(outs)
+
+  jax.eval_shape(probe, *_unwrap(ins))
+  return found
+
+
+def _loop_carry(rows: _RowEvaluator, init: list, out_axes: Callable[[list], list]) -> list:
+  """A loop's initial carry as rows wherever the body makes it rows: ``out_axes(carry)`` are the
+  axes of the carry after one iteration from ``carry``. A full initial value that the body turns
+  into rows is taken as its row, until the stacked axis of every carry is a fixed point."""
+  carry = list(init)
+  while True:
+    changed = False
+    for k, (x, b) in enumerate(zip(carry, out_axes(carry))):
+      a = x.axis if isinstance(x, _Row) else None
+      if b is None or a == b:
+        continue
+      if a is not None:
+        raise NotRowwise("a loop that moves the stacked axis of its carry")
+      carry[k], changed = _Row(rows.take(x, b), b), True
+    if not changed:
+      return carry
+
+
+def _scan_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
+  """A ``scan`` (a ``fori_loop`` with static bounds) whose body runs on the rows it reads: the
+  scanned axis of its inputs must not be the stacked one."""
+  axes = rows.axes(eqn, ins)
+  p = eqn.params
+  nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+  consts, xs = ins[:nc], ins[nc + nk:]
+  if 0 in axes[nc + nk:]:
+    raise NotRowwise("scan along the stacked axis")
+  x_axes = [None if a is None else a - 1 for a in axes[nc + nk:]]
+  x_specs = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x in _unwrap(xs)]
+  slices = _wrap_axes(x_specs, x_axes)
+  carry = _loop_carry(rows, ins[nc:nc + nk],
+                      lambda c: _out_axes(rows, body, [*consts, *c, *slices])[:nk])
+  carry_axes, y_axes = _axes_of(carry), []
+
+  def step(c, x):
+    outs = rows.run(body.jaxpr, body.consts,
+                    [*consts, *_wrap_axes(c, carry_axes), *_wrap_axes(x, x_axes)])
+    y_axes[:] = [rows.output_axis(o) for o in outs[nk:]]
+    return [rows.conform(o, a) for o, a in zip(outs[:nk], carry_axes)], _unwrap(outs[nk:])
+
+  out_carry, ys = lax.scan(step, _unwrap(carry), _unwrap(xs), length=p["length"],
+                           reverse=p["reverse"], unroll=p["unroll"])
+  return [*_wrap_axes(out_carry, carry_axes),
+          *_wrap_axes(ys, [None if a is None else a + 1 for a in y_axes])]
+
+
+def _while_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
+  """A ``while_loop`` (a ``fori_loop`` with traced bounds) whose carry holds rows: its body runs
+  on them, and its predicate must be the same for every row."""
+  rows.axes(eqn, ins)
+  p = eqn.params
+  nc, nb, cond, body = p["cond_nconsts"], p["body_nconsts"], p["cond_jaxpr"], p["body_jaxpr"]
+  cond_consts, body_consts = ins[:nc], ins[nc:nc + nb]
+  carry = _loop_carry(rows, ins[nc + nb:], lambda c: _out_axes(rows, body, [*body_consts, *c]))
+  carry_axes = _axes_of(carry)
+
+  def predicate(c):
+    (pred,) = rows.run(cond.jaxpr, cond.consts, [*cond_consts, *_wrap_axes(c, carry_axes)])
+    return rows.conform(pred, None)
+
+  def step(c):
+    outs = rows.run(body.jaxpr, body.consts, [*body_consts, *_wrap_axes(c, carry_axes)])
+    return [rows.conform(o, a) for o, a in zip(outs, carry_axes)]
+
+  return _wrap_axes(lax.while_loop(predicate, step, _unwrap(carry)), carry_axes)
+
+
+def _cond_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
+  """A ``cond`` on a predicate shared by every row (a per-row predicate is a ``select_n``, as
+  ``vmap`` makes it): each branch runs on the rows, its outputs stacked where any branch's are."""
+  rows.axes(eqn, ins)
+  index, ops = ins[0], ins[1:]
+  branches = eqn.params["branches"]
+  out_axes = []
+  for col in zip(*[_out_axes(rows, b, ops) for b in branches]):
+    found = {a for a in col if a is not None}
+    if len(found) > 1:
+      raise NotRowwise("cond branches that stack an output along different axes")
+    out_axes.append(min(found, default=None))
+
+  def branch(b):
+    def run(*values):
+      outs = rows.run(b.jaxpr, b.consts, _wrap_axes(values, _axes_of(ops)))
+      return [rows.conform(o, a) for o, a in zip(outs, out_axes)]
+
+    return run
+
+  outs = lax.switch(index, [branch(b) for b in branches], *_unwrap(ops))
+  return _wrap_axes(outs, out_axes)
+
+
+_ELEMENTWISE = (
+    "abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz "
+    "complex conj convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 "
+    "expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt "
+    "max min mul ne neg nextafter not or polygamma population_count pow real reduce_precision rem "
+    "round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt "
+    "square stop_gradient sub tan tanh xor zeta").split()
+_REDUCTIONS = ("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
+               "argmax argmin").split()
+_REDUCTION = ParamsRowRule(_reduction)
+
+ROW_RULES: dict[jcore.Primitive, RowRule] = {
+    **{getattr(P, f"{name}_p"): ParamsRowRule(_elementwise)
+       for name in _ELEMENTWISE if hasattr(P, f"{name}_p")},
+    **{getattr(P, f"{name}_p"): _reduction_rule for name in _REDUCTIONS},
+    **{getattr(P, f"{name}_p"): ParamsRowRule(_along("axis"))
+       for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
+    P.broadcast_in_dim_p: ParamsRowRule(_broadcast_in_dim),
+    P.reshape_p: ParamsRowRule(_reshape),
+    P.transpose_p: ParamsRowRule(_transpose),
+    P.squeeze_p: ParamsRowRule(_squeeze),
+    P.slice_p: ParamsRowRule(_slice),
+    P.concatenate_p: ParamsRowRule(_along("dimension")),
+    P.dot_general_p: ParamsRowRule(_dot_general),
+    P.sharding_constraint_p: ParamsRowRule(_sharding_constraint),
+    RESHARD_P: ParamsRowRule(_reshard),
+    P.bitcast_convert_type_p: ParamsRowRule(_bitcast_convert_type),
+    P.pad_p: ParamsRowRule(_pad),
+    P.gather_p: ParamsRowRule(_gather),
+    **dict.fromkeys(CALL_PRIMITIVES, _call_rule),
+    P.scan_p: _scan_rule,
+    P.while_p: _while_rule,
+    P.cond_p: _cond_rule,
+}
+
+# Equations that keep each row of their one operand a row of their output: the operations that
+# may stand between a stored stacked param and the scan that reads it (``apply_path``).
+PATH_PRIMITIVES = frozenset([
+    P.convert_element_type_p, P.copy_p, P.reduce_precision_p, P.transpose_p, P.reshape_p,
+    P.squeeze_p, P.broadcast_in_dim_p, P.sharding_constraint_p,
+])
+
+
+def row_params(eqn: jcore.JaxprEqn, axes: Sequence[int | None], length: int) -> RowParams:
+  """How ``eqn``, whose primitive's row rule rewrites params (``ParamsRowRule``), runs when the
+  inputs with an axis in ``axes`` are rows.
+
+  Raises:
+    NotRowwise: the equation combines different rows.
+    NoRowRule: its primitive has no parameter rule.
+  """
+  rule = ROW_RULES.get(eqn.primitive)
+  if not isinstance(rule, ParamsRowRule):
+    raise NoRowRule(eqn.primitive.name)
+  return rule.how(eqn, list(axes), length)
+
+
 class _RowEvaluator(Interpreter):
   """Evaluates a jaxpr whose values are ``_Row``s, ``_Partial``s (with ``partial``: a reduction
-  over the stacked axis) or full values: rows through ``ROW_RULES``, full values bound as
-  they are."""
+  over the stacked axis) or full values: an equation that reads a row or a partial value through
+  its primitive's row rule (``ROW_RULES``), one on full values bound as it is.
 
-  rules = {**dict.fromkeys(CALL_PRIMITIVES, _row_call),
-           **dict.fromkeys(ROW_COMBINE, _row_reduction)}
+  Attributes:
+    index: the row index (a traced integer is fine).
+    length: the number of rows.
+    partial: whether a reduction over the stacked axis is kept as its value on the row.
+  """
 
   def __init__(self, index, length: int, partial: bool):
     super().__init__()
     self.index, self.length, self.partial = index, length, partial
 
   def default(self, eqn, ins):
+    if not any(isinstance(x, (_Row, _Partial)) for x in ins):
+      return bind_shared(eqn, ins)
+    rule = ROW_RULES.get(eqn.primitive)
+    if rule is None:
+      raise NoRowRule(eqn.primitive.name)
+    return rule(self, eqn, ins)
+
+  def axes(self, eqn: jcore.JaxprEqn, ins: list) -> list[int | None]:
+    """The stacked axis of each input (``None``: full) of an equation that cannot read a
+    partial value."""
     if any(isinstance(x, _Partial) for x in ins):
       raise NotRowwise(f"{eqn.primitive.name} of a reduction over the stacked axis")
-    if not _has_rows(ins):
-      return bind_shared(eqn, ins)
-    return _bind_rows(eqn, ins, self.index, self.length)
+    return _axes_of(ins)
+
+  def take(self, x, axis: int):
+    """The row of the full value ``x`` along ``axis``."""
+    return take_row(x, self.index, self.length, axis)
+
+  def bind(self, eqn: jcore.JaxprEqn, ins: list, how: RowParams) -> list:
+    """``eqn`` bound on rows with the params ``how`` gives; its outputs as ``_Row``s."""
+    vals = [x.value if isinstance(x, _Row) else x if a is None else self.take(x, a)
+            for x, a in zip(ins, how.full_axes)]
+    if how.params is None:
+      outs = vals[:1]
+    else:
+      with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*vals, **how.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    return [_Row(o, a) for o, a in zip(outs, how.out_axes)]
+
+  def output_axis(self, x) -> int | None:
+    """The stacked axis of a value leaving a body (``None``: full)."""
+    if isinstance(x, _Partial):
+      raise NotRowwise("a body returning a reduction over the stacked axis")
+    return x.axis if isinstance(x, _Row) else None
+
+  def conform(self, x, axis: int | None):
+    """The value of ``x`` as a body's output stacked along ``axis`` (``None``: full), its row
+    taken if it is full."""
+    if self.output_axis(x) == axis:
+      return x.value if isinstance(x, _Row) else x
+    if isinstance(x, _Row):
+      raise NotRowwise("a body that moves the stacked axis of a value")
+    return self.take(x, axis)
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], index,
@@ -529,8 +728,7 @@ def apply_path(path: Sequence[jcore.JaxprEqn], row, axis: int, index, length: in
   Returns:
     The row of the path's output.
   """
-  x = _Row(row, axis)
+  rows, x = _RowEvaluator(index, length, partial=False), _Row(row, axis)
   for eqn in path:
-    with eqn.ctx.manager:
-      (x,) = _bind_rows(eqn, [x], index, length)
+    (x,) = rows.default(eqn, [x])
   return x.value

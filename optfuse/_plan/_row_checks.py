@@ -121,6 +121,9 @@ class RowChecks:
       if stats and self.stats is not None:
         jax.eval_shape(lambda g: [v for v, _ in self.run_stats_row(i, g, state, params, 0,
                                                                    length, axis)], row)
+    except _rows.NoRowRule as e:
+      return (f"its update runs {e.primitive} on its rows, which has no row rule yet (whether it "
+              "mixes rows is not known)")
     except _rows.NotRowwise as e:
       return f"its update mixes rows ({e})"
     return None

@@ -1,0 +1,201 @@
+"""Muon fused layer by layer: each stacked matrix orthogonalised in its backward loop iteration.
+
+``optax.contrib.muon`` with dimension numbers that leave the stacked layer axis a batch axis
+orthogonalises each layer's matrix on its own (``jax.vmap`` over the batch axes), so row ``l``
+of its update reads only row ``l`` of the gradient and momentum. Its Newton-Schulz iterations
+are a loop (``scan``; ``fori_loop`` unrolled; a ``cond`` in the first step with AOL
+preconditioning) that the row evaluator runs on one layer's matrix. The model is a scanned
+remat decoder shaped as LLMs are: RMSNorm scales (L, d), attention ``wq/wk/wv`` (L, d, heads,
+head_dim) and ``wo`` (L, heads, head_dim, d), a SwiGLU MLP ``w1/w3`` (L, d, ff) and ``w2``
+(L, ff, d); norms, embedding and head on Muon's AdamW fallback. It is also stored with the layer
+axis second (MaxText's ``param_scan_axis=1``), moved first for the scan, and trained with
+microbatches, with the optimizer state offloaded to host memory, in forward mode (each layer's
+update just before its use in the next step), and on an FSDP mesh of eight simulated CPU
+devices (``_muon_fsdp_worker.py``, in its own process).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from optax.contrib import MuonDimensionNumbers as Dims
+
+import optfuse
+from optfuse._jaxpr import _rows
+from tests import models
+
+L, DIM, HEADS, HEAD_DIM, FF, VOCAB, SEQ, BATCH = 4, 16, 2, 8, 32, 32, 8, 2
+LR = 1e-3
+# Dimension numbers of each stacked matrix with the layer axis at 0, a batch axis.
+DIMS = {"wq": Dims(1, (2, 3)), "wk": Dims(1, (2, 3)), "wv": Dims(1, (2, 3)),
+        "wo": Dims((1, 2), 3), "w1": Dims(1, 2), "w3": Dims(1, 2), "w2": Dims(1, 2)}
+MATRICES = [f"['layers']['{name}']" for name in sorted(DIMS)]
+# Float32, 20 steps: a row's update is the same arithmetic as its slice of the whole update
+# (bit for bit, test_a_row_of_muons_update_equals_the_row_of_its_whole_update), but XLA fuses
+# the step's program differently around the loop (FMA contraction), as it does for AdamW: a few
+# ulps per step. The learning rate keeps the decoder's trajectory from amplifying them: at 1e-2
+# params one ulp apart end 20 steps ~1e-3 apart under plain optax, at 1e-3 ~2e-6.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _rms(x, scale):
+  return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+
+
+def _block(h, p):
+  x = _rms(h, p["norm1"])
+  q, k, v = (jnp.einsum("btd,dhk->bthk", x, p[w]) for w in ("wq", "wk", "wv"))
+  s = jnp.einsum("bqhk,bthk->bhqt", q, k) / np.sqrt(HEAD_DIM)
+  s = jnp.where(jnp.tril(jnp.ones((SEQ, SEQ), bool)), s, -1e9)
+  a = jnp.einsum("bhqt,bthk->bqhk", jax.nn.softmax(s, -1), v)
+  h = h + jnp.einsum("bqhk,hkd->bqd", a, p["wo"])
+  x = _rms(h, p["norm2"])
+  return h + (jax.nn.silu(x @ p["w1"]) * (x @ p["w3"])) @ p["w2"], None
+
+
+def decoder_loss(params, tokens, targets, layer_axis: int = 0):
+  layers = jax.tree.map(lambda x: jnp.moveaxis(x, layer_axis, 0), params["layers"])
+  h, _ = lax.scan(jax.checkpoint(_block), params["embed"][tokens], layers)
+  logits = _rms(h, params["final_norm"]) @ params["head"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def decoder_params(layer_axis: int = 0) -> dict:
+  k = iter(jax.random.split(jax.random.PRNGKey(0), 10))
+  normal = lambda *shape, fan_in: jax.random.normal(next(k), shape) / np.sqrt(fan_in)
+  layers = {"norm1": jnp.ones((L, DIM)), "norm2": jnp.ones((L, DIM)),
+            **{w: normal(L, DIM, HEADS, HEAD_DIM, fan_in=DIM) for w in ("wq", "wk", "wv")},
+            "wo": normal(L, HEADS, HEAD_DIM, DIM, fan_in=HEADS * HEAD_DIM),
+            "w1": normal(L, DIM, FF, fan_in=DIM), "w3": normal(L, DIM, FF, fan_in=DIM),
+            "w2": normal(L, FF, DIM, fan_in=FF)}
+  return {"embed": normal(VOCAB, DIM, fan_in=DIM), "final_norm": jnp.ones((DIM,)),
+          "head": normal(DIM, VOCAB, fan_in=DIM),
+          "layers": jax.tree.map(lambda x: jnp.moveaxis(x, 0, layer_axis), layers)}
+
+
+def _moved(axis: int, layer_axis: int) -> int:
+  """Where an axis of a stack stored layer axis first is, stored with it at ``layer_axis``."""
+  order = [a for a in range(8) if a != 0]
+  order.insert(layer_axis, 0)
+  return order.index(axis)
+
+
+def muon_dims(layer_axis: int = 0):
+  """Dimension numbers for ``decoder_params(layer_axis)``: the layer axis a batch axis of every
+  stacked matrix; norms, embedding and head (``None``) on Muon's AdamW fallback."""
+  move = lambda axes: tuple(_moved(a, layer_axis) for a in np.atleast_1d(axes))
+  layers = {name: None for name in ("norm1", "norm2")}
+  layers.update({name: Dims(move(d.reduction_axis), move(d.output_axis))
+                 for name, d in DIMS.items()})
+  return lambda params: {"embed": None, "final_norm": None, "head": None, "layers": layers}
+
+
+def _batches(num: int = 3) -> list:
+  out = []
+  for key in jax.random.split(jax.random.PRNGKey(1), num):
+    seq = jax.random.randint(key, (BATCH, SEQ + 1), 0, VOCAB)
+    out.append((seq[:, :-1], seq[:, 1:]))
+  return out
+
+
+def _muon(layer_axis: int = 0, **kwargs) -> optax.GradientTransformation:
+  return optax.contrib.muon(LR, muon_weight_dimension_numbers=muon_dims(layer_axis), **kwargs)
+
+
+def _loss(layer_axis: int):
+  return lambda params, tokens, targets: decoder_loss(params, tokens, targets, layer_axis)
+
+
+@pytest.mark.parametrize("layer_axis", [0, 1])
+def test_describe_puts_every_stacked_muon_matrix_in_its_loop(layer_axis):
+  where = optfuse.describe(_muon(layer_axis), _loss(layer_axis), decoder_params(layer_axis),
+                           *_batches()[0])
+  assert all(where[m] == "loop" for m in MATRICES), where.table()
+  assert where["['layers']['norm1']"] == where["['layers']['norm2']"] == "loop"
+  assert not where.reasons, where.reasons
+
+
+def test_muon_across_layers_stays_after_the_loop_because_it_mixes_rows():
+  """The layer axis a reduction axis: each layer's update reads every layer's momentum."""
+  dims = lambda p: {**muon_dims()(p), "layers": {
+      **muon_dims()(p)["layers"], "w1": Dims((0, 1), 2)}}
+  tx = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims)
+  where = optfuse.describe(tx, decoder_loss, decoder_params(), *_batches()[0])
+  assert where["['layers']['w1']"] == "tap"
+  assert "its update mixes rows" in where.reasons["['layers']['w1']"]
+
+
+@pytest.mark.parametrize("variant", [
+    dict(), dict(preconditioning="aol"), dict(ns_coeffs="dion"), dict(nesterov=False)])
+def test_a_row_of_muons_update_equals_the_row_of_its_whole_update(variant):
+  """Bit for bit: the row evaluator reorders none of the Newton-Schulz arithmetic (a ``scan``
+  of batched products; a ``cond`` with AOL; a ``scan`` over coefficients with Dion's)."""
+  k = jax.random.split(jax.random.PRNGKey(2), 3)
+  g, mu, w = (jax.random.normal(key, (L, DIM, FF)) for key in k)
+  tx = optax.contrib.muon(LR, muon_weight_dimension_numbers={"w": Dims(1, 2)}, **variant)
+  state = tx.init({"w": w})
+
+  def update(g, mu, w):
+    muon = state.inner_states["muon"].inner_state
+    muon = (muon[0]._replace(mu={"w": mu}), *muon[1:])
+    inner = {**state.inner_states,
+             "muon": state.inner_states["muon"]._replace(inner_state=muon)}
+    return tx.update({"w": g}, state._replace(inner_states=inner), {"w": w})[0]["w"]
+
+  closed = jax.make_jaxpr(update)(g, mu, w)
+  whole = jax.jit(update)(g, mu, w)
+  row = jax.jit(lambda i, *rows: _rows.evaluate_rows(closed.jaxpr, closed.consts, list(rows),
+                                                     [True] * 3, i, L)[0])
+  for i in range(L):
+    np.testing.assert_array_equal(np.asarray(row(i, g[i], mu[i], w[i])), np.asarray(whole[i]))
+
+
+@pytest.mark.parametrize("layer_axis", [0, 1])
+def test_backward_fused_muon_trains_like_optax_over_20_steps(layer_axis):
+  params, loss = decoder_params(layer_axis), _loss(layer_axis)
+  got = models.run_fused(_muon(layer_axis), "backward", params, _batches(), 20, loss)
+  want = models.run_optax(_muon(layer_axis), params, _batches(), 20, loss)
+  chex.assert_trees_all_close(got[:2], want[:2], rtol=RTOL, atol=ATOL)
+
+
+def _run(fx, microbatches=None):
+  params = decoder_params()
+  step = fx.value_and_update(decoder_loss, microbatches=microbatches)
+  return models.run_steps(step, params, fx.init(params), _batches(), 20)
+
+
+@pytest.mark.parametrize("options", [
+    dict(mode="backward", microbatches=2), dict(mode="backward", offload="state"),
+    dict(mode="forward")], ids=["backward_microbatches", "backward_offload_state", "forward"])
+def test_fused_muon_trains_like_the_unfused_step(options):
+  options = dict(options)
+  microbatches = options.pop("microbatches", None)
+  fx = optfuse.fuse(_muon(), **options)
+  losses, params, state = _run(fx, microbatches)
+  params = fx.flush(params, state)[0] if options["mode"] == "forward" else params
+  want = _run(optfuse.fuse(_muon(), mode="off"), microbatches)
+  chex.assert_trees_all_close((losses, params), want[:2], rtol=RTOL, atol=ATOL)
+
+
+def test_forward_fusion_puts_every_stacked_muon_matrix_in_its_loop():
+  fx = optfuse.fuse(_muon(), mode="forward")
+  where = optfuse.describe(fx, decoder_loss, decoder_params(), *_batches()[0])
+  assert all(where[m] == "loop" for m in MATRICES), where.table()
+
+
+def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_unfused_step():
+  """The worker checks ``describe`` and the 20 steps on the mesh (the device count is fixed when
+  JAX starts, hence the subprocess; the XLA flags of this process travel with it)."""
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  proc = subprocess.run([sys.executable, str(Path(__file__).parent / "_muon_fsdp_worker.py")],
+                        env=dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
