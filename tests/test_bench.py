@@ -245,21 +245,55 @@ def test_a_fit_that_raises_is_recorded_as_failed_rows_not_raised(monkeypatch):
   assert {r["failed"] for r in rows} == {"ValueError: a library bug."}
 
 
+def _sized_row(mode, peak, budget=16_910_000_000):
+  return {"target": "tpu-v5e", "target_label": "TPU v5e", "mode": mode, "peak": peak,
+          "fits": peak is not None and peak <= budget, "budget_bytes": budget, "layers": 24,
+          "dim": 2048, "seq": 2048, "batch": 1, "params": "1.3B"}
+
+
+def test_the_main_jobs_accelerator_line_leads_with_the_step_that_fits_then_the_refusals():
+  from optfuse.bench import _what_fits
+  rows = [_sized_row("off", None), _sized_row("backward", 17_330_000_000),
+          _sized_row("backward_offload", 9_130_000_000),
+          _sized_row("backward_8bit", 10_180_000_000)]
+  line = _what_fits.sized_lines(rows)[0]
+  # The smallest peak that fits leads, with the memory it is measured against; then each step
+  # that does not fit, in the order compiled.
+  assert line == (
+      "- **TPU v5e** (16.91 GB per device), the 1.3B-parameter decoder (24 layers of d=2048, "
+      "T=2048, batch 1) with AdamW: fits with backward fusion, state in host memory: 9.13 GB of "
+      "16.91 GB; optax: does not fit (out of memory); backward fusion: 17.33 GB, does not fit; "
+      "backward fusion, 8-bit state: 10.18 GB, fits")
+  nothing = _what_fits.sized_lines(rows[:2])[0]
+  assert "fits with none of these steps; optax: does not fit" in nothing
+
+
+def test_the_main_job_compiles_optax_and_the_8_bit_state_step_for_the_accelerators():
+  from optfuse.bench import _what_fits
+  assert _what_fits.QUICK_MODES == ("off", "backward_8bit")
+  assert _what_fits.STEPS["backward_8bit"] == ("backward", None, 8)
+  assert _suite.quick_suite().large == ()  # the 1.3B decoder's XLA:CPU peaks are --memory's
+
+
 @pytest.mark.targets
 @pytest.mark.skipif(not _registry.compiler_installed("tpu"),
                     reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
-def test_the_main_job_leads_with_each_accelerators_peak_of_the_decoder_one_compile_a_mode(
+def test_the_main_job_leads_with_the_step_that_fits_each_accelerator_one_compile_a_step(
     tmp_path, monkeypatch):
   from optfuse.bench import _report, _what_fits
   monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path / "cache.json"))
   tiny = bench_fit.TINY_DECODER
   rows = _what_fits.at_size(["cpu", "tpu-v5e"], progress=False, config=tiny)
-  # "cpu" is the suite's own memory rows; the accelerator gets one row (one compile) a mode.
-  assert [(r["target"], r["mode"]) for r in rows] == [("tpu-v5e", m) for m in _what_fits.MODES]
+  # "cpu" is the suite's own rows; the accelerator gets one row (one compile) a step.
+  assert [(r["target"], r["mode"]) for r in rows] == [
+      ("tpu-v5e", m) for m in _what_fits.QUICK_MODES]
   for row in rows:
     assert 0 < row["peak"] <= row["budget_bytes"] and row["fits"], row
   line = _what_fits.sized_lines(rows)[0]
-  assert line.startswith("- **tpu-v5e**") and "(fits)" in line and "optax's peak" in line
+  smallest = min(rows, key=lambda r: r["peak"])
+  assert line.startswith("- **tpu-v5e**") and (
+      f"with AdamW: fits with {_what_fits.LABELS[smallest['mode']]}: "
+      f"{_memory.format_bytes(smallest['peak'])} of ") in line
   # The cache answers the next run without compiling.
   again = _what_fits.at_size(["tpu-v5e"], progress=False, config=tiny)
   assert [r["peak"] for r in again] == [r["peak"] for r in rows]

@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
       "steps against the plain optax step, on the default JAX backend.")
   size = parser.add_mutually_exclusive_group()
   size.add_argument("--quick", action="store_const", dest="suite", const="quick",
-                    help="small models, timed, led by the 1.3B decoder's compiled peak on TPU "
+                    help="small models, timed, led by the step of the 1.3B decoder that fits TPU "
                     "v5e where libtpu is installed (the README's main job)")
   size.add_argument("--memory", action="store_const", dest="suite", const="memory",
                     help="only the compile-only memory of the 1.3B and 6.6B scanned decoders")
@@ -148,8 +148,9 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
     targets = args.target or ("cpu",)
     fits = []
     if suite.name == "quick":
-      # One compile per accelerator target and mode; the depth and batch searches (three or
-      # four compiles a mode, 18 s each for TPU on two cores) are --what-fits'.
+      # One compile per accelerator target and step (optax's, and the 8-bit state's that fits
+      # TPU v5e); the depth and batch searches (three or four compiles a step, a CPU-minute or
+      # more each for TPU on two cores) are --what-fits'.
       fits = _what_fits.at_size(args.target or _what_fits.default_targets(),
                                 use_cache=not args.no_cache, progress=progress)
       fits += _quick_slices(not args.no_cache, progress)

@@ -185,8 +185,9 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
   sized = [r for r in rows if r["section"] == "sized"]
   if sized:
     out += ["**On the accelerators** (compile-only, so exact and deterministic for these "
-            "versions; the largest depth and batch that fit: `python -m optfuse.bench "
-            "--what-fits`):", "", *_what_fits.sized_lines(sized), ""]
+            "versions; backward fusion alone, the state in host memory and the largest depth and "
+            "batch that fit: `python -m optfuse.bench --what-fits --state-bits 8`):", "",
+            *_what_fits.sized_lines(sized), ""]
   slices = [r for r in rows if r["section"] == "slices"]
   if slices:
     out += [f"**The smallest slice of this machine's chip** ({slices[0]['model']}, AdamW, FSDP; "
