@@ -74,9 +74,26 @@ def test_every_mode_trains_like_the_unfused_low_bit_transformation_over_20_steps
     optimizer, model, mode):
   params, loss = MODELS[model]()
   tx = _with_clipping(OPTIMIZERS[optimizer](), mode)
-  want = models.run_optax(tx, params, models.tied_lm_batches(), 20, loss_fn=loss)
   got = _run(_fuse(tx, mode), loss, params, 20)
-  models.assert_same_low_bit_trajectory(got, want[:2])
+  models.assert_same_low_bit_trajectory(got, _optax_reference(tx, loss, params, 20))
+
+
+def _optax_reference(tx, loss, params, steps):
+  """The plain optax run from ``params`` moved by ``ulps``, as ``(losses, params)``."""
+  batches = models.tied_lm_batches()
+  return lambda ulps: models.run_optax(tx, models.nudge(params, ulps), batches, steps,
+                                       loss_fn=loss)[:2]
+
+
+def test_the_trajectory_check_rejects_a_learning_rate_five_percent_off():
+  # The check measures its own tolerance from the reference's spread: it must still see a
+  # change of the update's math smaller than any bug of fusion would make.
+  params, loss = MODELS["axis0"]()
+  wrong = optfuse.low_bit(optax.adamw(1.05e-2, weight_decay=0.05), 8, min_size=0)
+  got = _run(optfuse.fuse(wrong, mode="off"), loss, params, 20)
+  with pytest.raises(AssertionError, match="beyond"):
+    models.assert_same_low_bit_trajectory(
+        got, _optax_reference(OPTIMIZERS["adamw_8bit"](), loss, params, 20))
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -92,9 +109,9 @@ def test_the_stacked_low_bit_slots_are_updated_row_by_row_in_the_loop(model):
 def test_microbatches_with_low_bit_state_match_the_unfused_microbatched_step(mode):
   params, loss = MODELS["axis0"]()
   tx = _with_clipping(OPTIMIZERS["adamw_8bit"](), mode)
-  want = _run(optfuse.fuse(tx, mode="off"), loss, params, 10, microbatches=2)
   got = _run(_fuse(tx, mode), loss, params, 10, microbatches=2)
-  models.assert_same_low_bit_trajectory(got, want)
+  models.assert_same_low_bit_trajectory(got, lambda ulps: _run(
+      optfuse.fuse(tx, mode="off"), loss, models.nudge(params, ulps), 10, microbatches=2))
 
 
 # AdamW and the optimizer beyond it (Lion, SGD with momentum) in every mode with offloaded state.
@@ -111,9 +128,8 @@ def test_offloaded_codes_and_scales_live_on_the_host_and_train_like_the_unfused_
   slot = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optfuse.QuantizedSlot))
   quantized = [x for x in slot if isinstance(x, optfuse.QuantizedSlot)]
   assert quantized and {x.sharding.memory_kind for q in quantized for x in q} == {"pinned_host"}
-  want = models.run_optax(tx, params, models.tied_lm_batches(), 20, loss_fn=loss)
   got = _run(fx, loss, params, 20)
-  models.assert_same_low_bit_trajectory(got, want[:2])
+  models.assert_same_low_bit_trajectory(got, _optax_reference(tx, loss, params, 20))
 
 
 def test_orbax_resume_of_offloaded_low_bit_state_continues_the_same_trajectory(tmp_path):
