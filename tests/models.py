@@ -12,6 +12,7 @@ never through optfuse.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 from collections.abc import Callable, Sequence
@@ -143,7 +144,10 @@ def run_steps(step: Callable, params, state, batches: Sequence[tuple], steps: in
     step = jax.jit(step, donate_argnums=(0, 1))
   losses = []
   for t in range(steps):
-    loss, params, state = step(params, state, *batches[t % len(batches)])
+    # One step in flight at a time: on a mesh of simulated CPU devices with several steps
+    # queued, the client's threads can all wait in one step's collective while the devices it
+    # needs are queued behind them (a 40 s rendezvous timeout on a loaded two-core machine).
+    loss, params, state = jax.block_until_ready(step(params, state, *batches[t % len(batches)]))
     losses.append(loss)
   return jnp.stack(losses), params, state
 
@@ -243,6 +247,20 @@ def orbax_round_trip(path, tree, template):
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             template)
     return checkpointer.restore(path, abstract)
+
+
+@functools.cache
+def float16_compiles() -> bool:
+  """Whether XLA on the default backend compiles a float16 conversion. XLA:CPU needs the F16C
+  instructions for it (AVX and up); at ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`` it fails with
+  "Symbols not found: __truncsfhf2" in plain optax too, so a float16 test has nothing to
+  compare there."""
+  try:
+    convert = jax.jit(lambda x: (x.astype(jnp.float16) * 3).astype(jnp.float32))
+    convert(jnp.ones(4)).block_until_ready()
+  except jax.errors.JaxRuntimeError:
+    return False
+  return True
 
 
 def load_example(name: str):

@@ -13,6 +13,8 @@ import pytest
 
 from tests import models
 
+pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
+
 STEPS = 50
 LR = 1e-2
 

@@ -11,6 +11,8 @@ import optfuse
 from optfuse._plan._global_stage import make_global_plan
 from tests import models
 
+pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
+
 STEPS = 50
 # float32: the forward step runs optax's arithmetic leaf by leaf, in the same order, but in
 # another XLA program (other fusions, FMA contraction), so values may drift by a few ulps per

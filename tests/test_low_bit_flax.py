@@ -25,6 +25,8 @@ import optfuse.linen
 import optfuse.nnx
 from tests import models
 
+pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
+
 STEPS = 20
 DIM = 32
 

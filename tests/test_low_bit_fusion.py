@@ -17,6 +17,8 @@ import pytest
 import optfuse
 from tests import models
 
+pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
+
 OPTIMIZERS = {
     "adamw_8bit": lambda: optfuse.low_bit(optax.adamw(1e-2, weight_decay=0.05), 8, min_size=0),
     "adamw_4bit": lambda: optfuse.low_bit(optax.adamw(1e-2, weight_decay=0.05), 4, min_size=0),

@@ -32,6 +32,8 @@ import optfuse
 from optfuse._jaxpr import _rows
 from tests import models
 
+pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
+
 L, DIM, HEADS, HEAD_DIM, FF, VOCAB, SEQ, BATCH = 4, 16, 2, 8, 32, 32, 8, 2
 LR = 1e-3
 # Dimension numbers of each stacked matrix with the layer axis at 0, a batch axis.

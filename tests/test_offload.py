@@ -19,6 +19,8 @@ from optfuse._targets import _registry
 from optfuse.bench import _forms, _models
 from tests import models
 
+pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
+
 # The same tolerances as the backward equivalence tests: moving a row to the host and back is
 # exact, so the only differences are XLA's own reassociations of the fused program.
 TOL = dict(rtol=1e-5, atol=1e-6)

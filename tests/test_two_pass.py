@@ -14,6 +14,8 @@ from optfuse._fusion import _accumulate
 from optfuse._plan import _make
 from tests import models
 
+pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
+
 STEPS = 50
 # float32: the fused step runs optax's arithmetic leaf by leaf, in the same order, in another XLA
 # program. Measured after 50 steps on CPU: at most 7.2e-7 absolute; 1e-5 leaves a 10x margin.
