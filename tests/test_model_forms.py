@@ -202,11 +202,15 @@ def test_form_trains_like_optax_over_20_steps(form, mode):
                     global_ops="two_pass" if mode == "two_pass" else None)
   got = models.run_steps(fx.value_and_update(loss), params, fx.init(params), [batch], 20)
   got_params = fx.flush(got[1], got[2])[0]
-  ref = models.run_optax(tx, params, [batch], 20, loss_fn=loss)
-  # With clipping the global norm sums the rows' squares in another order (one float32 ulp),
-  # and bf16 compute rounds that ulp into other activations after ~15 steps (measured: 1e-3).
-  tol = dict(rtol=2e-3, atol=2e-3) if dtype == "bf16" and mode != "backward" else TOL
-  chex.assert_trees_all_close((got[0], got_params), (ref[0], ref[1]), **tol)
+  reference = lambda ulps: models.run_optax(tx, models.nudge(params, ulps), [batch], 20,
+                                            loss_fn=loss)[:2]
+  if dtype == "bf16" and mode != "backward":
+    # With clipping the global norm sums the rows' squares in another order (one float32 ulp),
+    # and bf16 compute rounds that ulp into other activations some steps later: a chaos of
+    # rounding whose width depends on the processor, so it is measured (models.nudge).
+    models.assert_within_reference_spread((got[0], got_params), reference, TOL)
+  else:
+    chex.assert_trees_all_close((got[0], got_params), reference(0), **TOL)
 
 
 @pytest.mark.parametrize("form", [pytest.param(form, marks=() if form in _FAST_MODES

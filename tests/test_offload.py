@@ -169,10 +169,14 @@ def test_real_codebase_scan_forms_train_like_optax_with_offloaded_state(form):
   assert "loop" in where.values()
   got = models.run_steps(fx.value_and_update(m.loss), params, fx.init(models.copy(params)),
                          [batch], 10)
-  want = models.run_optax(tx, params, [batch], 10, loss_fn=m.loss)
-  # bf16 forms compute in bf16 and round differently once a step's params differ by an ulp.
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                              rtol=2e-3, atol=2e-3)
+  reference = lambda ulps: models.run_optax(tx, models.nudge(params, ulps), [batch], 10,
+                                            loss_fn=m.loss)[:2]
+  if form in ("linen_axis1", "bf16_policy"):
+    # These forms compute in bf16 and rounds differently once a step's params differ by an ulp:
+    # a chaos whose width depends on the processor, so it is measured (models.nudge).
+    models.assert_within_reference_spread(got[:2], reference, TOL)
+  else:
+    chex.assert_trees_all_close(got[:2], reference(0), **TOL)
 
 
 def test_two_pass_refuses_offload_and_says_what_runs_clipping_instead():
