@@ -91,10 +91,49 @@ def test_describe_warns_of_a_layer_axis_among_muons_matrix_axes():
   assert list(where.warnings) == ["['layers']['w1']"], where.table()
 
 
+def test_describe_warns_when_the_helpers_default_would_not_find_the_stack():
+  params = decoder.decoder_params()
+  params = {**params, "h": params.pop("layers")}
+  loss = lambda p, *batch: decoder.decoder_loss({**p, "layers": p["h"]}, *batch)
+  where = optfuse.describe(optax.contrib.muon(decoder.LR), loss, params, *decoder._batches()[0])
+  assert "stacked=" in where.warnings["['h']['w1']"], where.table()
+
+
 def test_describe_has_no_warning_for_optimizers_other_than_muon():
   where = optfuse.describe(optax.adamw(decoder.LR), decoder.decoder_loss,
                            decoder.decoder_params(), *decoder._batches()[0])
   assert where.warnings == {}
+
+
+def test_maxtexts_scanned_decoder_gets_the_dims_of_maxtexts_own_rules():
+  """MaxText's Linen names, layers on axis 1; its ``muon_utils.transform_logic`` gives the query
+  ``(0,), (-2, -1)``, the output ``(0, -2), (-1,)``, the MLP ``(0,), (-1,)`` and excludes
+  scales, embeddings and ``logits_dense``."""
+  d, L, heads, head_dim, ff, vocab = 16, 4, 2, 8, 32, 64
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  layers = {"self_attention": {"query": {"kernel": spec(d, L, heads, head_dim)},
+                               "out": {"kernel": spec(heads, L, head_dim, d)}},
+            "mlp": {"wi_0": {"kernel": spec(d, L, ff)}, "wo": {"kernel": spec(ff, L, d)}},
+            "pre_self_attention_layer_norm": {"scale": spec(d, L)}}
+  params = {"params": {"decoder": {"layers": layers, "decoder_norm": {"scale": spec(d)},
+                                   "logits_dense": {"kernel": spec(d, vocab)}},
+                       "token_embedder": {"embedding": spec(vocab, d)}}}
+  dims = optfuse.stacked_muon_dims(params, layer_axis=1)["params"]
+  assert dims["decoder"]["layers"] == {
+      "self_attention": {"query": {"kernel": Dims(0, (2, 3))},
+                         "out": {"kernel": Dims((0, 2), 3)}},
+      "mlp": {"wi_0": {"kernel": Dims(0, 2)}, "wo": {"kernel": Dims(0, 2)}},
+      "pre_self_attention_layer_norm": {"scale": None}}
+  assert dims["decoder"]["logits_dense"] == {"kernel": None}
+  assert dims["decoder"]["decoder_norm"] == {"scale": None}
+  assert dims["token_embedder"] == {"embedding": None}
+
+
+def test_experts_stay_a_batch_axis_under_a_mixture_of_experts():
+  params = {"layers": {"moe": {"wi": jnp.zeros((4, 3, 8, 16)), "wo": jnp.zeros((4, 3, 16, 8)),
+                               "gate": jnp.zeros((4, 8, 3))}}}
+  assert optfuse.stacked_muon_dims(params)["layers"]["moe"] == {
+      "wi": Dims(2, 3), "wo": Dims(2, 3), "gate": Dims(1, 2)}
 
 
 def test_the_rules_can_be_replaced():

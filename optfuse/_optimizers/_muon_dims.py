@@ -27,6 +27,10 @@ Names = tuple[str, ...]
 LAYER_STACK_KEYS = ("layers", "blocks")
 NOT_MATRIX_KEYS = ("head", "lm_head", "logits_dense", "bias", "scale")
 OUTPUT_PROJECTION_KEYS = ("wo", "out", "o_proj", "out_proj")
+EXPERTS_KEYS = ("moe", "expert")  # parts of a key name, in any case
+# What ``describe``'s warnings tell a user of Muon with stacked layers to do.
+_FIX = ("muon_weight_dimension_numbers=optfuse.stacked_muon_dims (with layer_axis if the layers "
+        "are not stacked on axis 0)")
 
 
 def under_layer_stack(names: Names, leaf: Any) -> bool:
@@ -44,9 +48,13 @@ def embedding_or_head(names: Names, leaf: Any) -> bool:
 def input_first(names: Names, shape: tuple[int, ...]) -> MuonDimensionNumbers:
   """The default ``matrix``: the first axis of a layer's weight is its input (reduction) and
   the rest its output; an output projection (a key in ``OUTPUT_PROJECTION_KEYS``, such as
-  attention's (heads, head_dim, d) ``wo``) takes every axis but the last as its input."""
-  split = len(shape) - 1 if any(n in OUTPUT_PROJECTION_KEYS for n in names) else 1
+  attention's (heads, head_dim, d) ``wo``) takes every axis but the last as its input; under a
+  mixture of experts (a key containing one of ``EXPERTS_KEYS``) the last two axes are each
+  expert's matrix and the leading ones (the experts) batch axes."""
   axes = tuple(range(len(shape)))
+  if any(k in n.lower() for n in names for k in EXPERTS_KEYS):
+    return MuonDimensionNumbers(axes[-2], axes[-1])
+  split = len(shape) - 1 if any(n in OUTPUT_PROJECTION_KEYS for n in names) else 1
   return MuonDimensionNumbers(_packed(axes[:split]), _packed(axes[split:]))
 
 
@@ -86,8 +94,9 @@ def stacked_muon_dims(params, *, layer_axis: int = 0,
       output projections (a key "wo", "out", "o_proj" or "out_proj"): every axis but the last
       is the reduction, the last the output. So attention's (L, d, heads, head_dim) ``wq``
       gets ``MuonDimensionNumbers(1, (2, 3))`` and its (L, heads, head_dim, d) ``wo``
-      ``MuonDimensionNumbers((1, 2), 3)``. Mixtures of experts (an experts axis that should
-      stay a batch axis) need their own rule.
+      ``MuonDimensionNumbers((1, 2), 3)``. Under a key containing "moe" or "expert" (any
+      case), the last two axes are the matrix and the leading ones (the experts) batch axes,
+      so (L, experts, d, ff) gets ``MuonDimensionNumbers(2, 3)``.
 
   Returns:
     A pytree of ``params``' structure with a ``MuonDimensionNumbers`` (an axis alone as an
@@ -182,22 +191,21 @@ def muon_warnings(tx: optax.GradientTransformation, params, stacked: Collection[
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   found = {}
   for i in sorted(stacked):
-    path, leaf = flat[i]
-    if i not in on_muon and len(leaf.shape) >= 3 and not embedding_or_head(
-        _leaves.key_names(path), leaf):
+    names, leaf = _leaves.key_names(flat[i][0]), flat[i][1]
+    # The helper's default finds stacks by key name: say so where it would miss this one.
+    fix = _FIX + ("" if under_layer_stack(names, leaf) else
+                  ", and stacked= a predicate that takes this leaf (no key of its path is "
+                  "'layers' or 'blocks')")
+    if i not in on_muon and len(leaf.shape) >= 3 and not embedding_or_head(names, leaf):
       found[i] = (f"Muon leaves this rank-{len(leaf.shape)} stacked leaf to its AdamW fallback "
                   "(it takes rank-2 leaves only, unless its dimension numbers name the leaf's "
-                  f"matrix); to orthogonalise each layer's matrix, pass {_FIX}")
+                  f"matrix); to orthogonalise each layer's matrix, pass {fix}")
     elif i in on_muon and i in mixing:
       found[i] = ("Muon's dimension numbers do not leave its layer axis a batch axis of its own "
                   "(as a reduction or output axis it mixes the layers; merged with another batch "
                   "axis it is not fused), so it is updated after the loop; to orthogonalise each "
-                  f"layer's matrix apart and leave vectors to AdamW, pass {_FIX}")
+                  f"layer's matrix apart and leave vectors to AdamW, pass {fix}")
   return found
-
-
-_FIX = ("muon_weight_dimension_numbers=optfuse.stacked_muon_dims (with layer_axis if the layers "
-        "are not stacked on axis 0)")
 
 
 def _on_muon(state, params) -> set[int] | None:
