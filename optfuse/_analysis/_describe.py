@@ -73,7 +73,8 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     ``offload="state"``, else ``"device"``. Its ``warnings`` name the stacked leaves a Muon
     (``optax.contrib.muon``) leaves to its AdamW fallback while of rank 3 or more, or
     orthogonalises across their layers, and say what to do: pass
-    ``muon_weight_dimension_numbers=optfuse.stacked_muon_dims``.
+    ``muon_weight_dimension_numbers=optfuse.stacked_muon_dims`` (in the modes that fuse loops,
+    which find the stacked leaves; mode "off" finds none).
 
   Raises:
     NonSeparableError: ``tx`` cannot run in backward mode (without ``global_ops="two_pass"``).
@@ -105,6 +106,7 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
   diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
   label = lambda i: placed.get(i, engine.unplaced) if i in diff else "carried"
   offload = fx.offload is not None
+  # The leaves a scan reads as its stacked input: those in a loop, and those with a reason.
   stacked = {i for i in diff if placed.get(i) == "loop" or i in reasons}
   mixing = {i for i, why in reasons.items() if why.startswith(_row_checks.MIXES_ROWS)}
   warnings = _muon_dims.muon_warnings(fx.tx, params, stacked, mixing)
