@@ -21,6 +21,7 @@ from optfuse._base._errors import GuardError as GuardError
 from optfuse._base._errors import LossOutputError as LossOutputError
 from optfuse._base._errors import LowBitError as LowBitError
 from optfuse._base._errors import MicrobatchError as MicrobatchError
+from optfuse._base._errors import MuonDimsError as MuonDimsError
 from optfuse._base._errors import NonSeparableError as NonSeparableError
 from optfuse._base._errors import OffloadError as OffloadError
 from optfuse._base._errors import OptfuseError as OptfuseError
@@ -37,6 +38,7 @@ from optfuse._fuse import check_separable as check_separable
 from optfuse._fuse import fuse as fuse
 from optfuse._low_bit._transform import QuantizedSlot as QuantizedSlot
 from optfuse._low_bit._transform import low_bit as low_bit
+from optfuse._optimizers._muon_dims import stacked_muon_dims as stacked_muon_dims
 from optfuse._targets._backends import compiling_for as compiling_for
 from optfuse._targets._registry import target_mesh as target_mesh
 from optfuse._targets._registry import targets as targets

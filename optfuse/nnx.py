@@ -24,17 +24,12 @@ from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx.training import optimizer as nnx_optimizer
 
-from optfuse._base import _memory_spaces
+from optfuse._base import _leaves, _memory_spaces
 from optfuse._base._checks import check_loss
 from optfuse._base._options import FuseOptions
 from optfuse._fuse import fuse
 
 M = TypeVar("M", bound=nnx.Module)
-
-
-def _path_key(path) -> tuple[str, ...]:
-  """A key path as names, alike whether a level is a dict, a State or a NamedTuple."""
-  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 class Optimizer(nnx.Optimizer[M]):
@@ -108,7 +103,7 @@ class Optimizer(nnx.Optimizer[M]):
     self.tx = tx
     opt_state = nnx_optimizer.to_opt_state(fused.init(nnx.state(model, wrt, graph=graph)))
     layout = jax.tree_util.tree_flatten_with_path(nnx.as_pure(opt_state))
-    self._layout = (layout[1], tuple(_path_key(path) for path, _ in layout[0]))
+    self._layout = (layout[1], tuple(_leaves.key_names(path) for path, _ in layout[0]))
     self.opt_state = nnx.data(opt_state)
     self.wrt = wrt
     self.fused = fused
@@ -170,7 +165,8 @@ class Optimizer(nnx.Optimizer[M]):
     treedef, paths = self._layout
     if jax.tree.structure(pure) == treedef:
       return pure
-    leaves = {_path_key(path): x for path, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(pure)[0]
+    leaves = {_leaves.key_names(path): x for path, x in flat}
     return jax.tree.unflatten(treedef, [leaves[path] for path in paths])
 
   def _write_opt_state(self, opt_state) -> None:

@@ -27,6 +27,7 @@ LAYERS = [
     ["_plan"],                                         # tx.update split per leaf
     ["_jaxpr"],                                        # the interpreter, row evaluation
     ["_low_bit"],                                      # low-bit optimizer state
+    ["_optimizers"],                                   # optax optimizers set up for stacks
     ["_targets"],                                      # compile targets, per-backend choices
     ["_base"],                                         # errors, input checks, leaf predicates
 ]

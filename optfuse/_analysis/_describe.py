@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from optfuse import _fuse
 from optfuse._base import _leaves, _memory_spaces
 from optfuse._base._errors import NonSeparableError
-from optfuse._plan import _make
+from optfuse._optimizers import _muon_dims
+from optfuse._plan import _make, _row_checks
 
 
 class Placements(dict):
@@ -21,22 +22,28 @@ class Placements(dict):
       inside the loop, for every such leaf that is not.
     state: leaf path -> where the leaf's optimizer-state slots live between steps, "host" or
       "device", for every float leaf that has slots.
+    warnings: leaf path -> what the optimizer does to a stacked leaf that was likely not
+      meant, and what to do instead: a Muon that leaves a stacked leaf of rank 3 or more to its
+      AdamW fallback, or orthogonalises one across its layers (``optfuse.stacked_muon_dims``).
   """
 
   def __init__(self, where: Mapping[str, str], reasons: Mapping[str, str],
-               state: Mapping[str, str] | None = None):
+               state: Mapping[str, str] | None = None,
+               warnings: Mapping[str, str] | None = None):
     super().__init__(where)
     self.reasons = dict(reasons)
     self.state = dict(state or {})
+    self.warnings = dict(warnings or {})
 
   def table(self) -> str:
     """One line per leaf: its path, where it runs, where its state lives (when any lives in
-    host memory) and, if a stacked leaf is not fused, why."""
+    host memory), if a stacked leaf is not fused, why, and its warning if it has one."""
     width = max(map(len, self), default=0)
     host = "host" in self.state.values()
     state = lambda path: f"  state on {self.state.get(path, 'device')}" if host else ""
-    return "\n".join(f"{path.ljust(width)}  {where}{state(path)}"
-                     + (f"  ({self.reasons[path]})" if path in self.reasons else "")
+    note = lambda notes, path, head="": f"  ({head}{notes[path]})" if path in notes else ""
+    return "\n".join(f"{path.ljust(width)}  {where}{state(path)}{note(self.reasons, path)}"
+                     f"{note(self.warnings, path, 'warning: ')}"
                      for path, where in self.items())
 
 
@@ -63,7 +70,11 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     by row in place before the loss) or ``"leaf"`` (whole, before the loss). Mode "off":
     ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged). Its
     ``state`` says where each leaf's optimizer-state slots live: ``"host"`` with
-    ``offload="state"``, else ``"device"``.
+    ``offload="state"``, else ``"device"``. Its ``warnings`` name the stacked leaves a Muon
+    (``optax.contrib.muon``) leaves to its AdamW fallback while of rank 3 or more, or
+    orthogonalises across their layers, and say what to do: pass
+    ``muon_weight_dimension_numbers=optfuse.stacked_muon_dims`` (in the modes that fuse loops,
+    which find the stacked leaves; mode "off" finds none).
 
   Raises:
     NonSeparableError: ``tx`` cannot run in backward mode (without ``global_ops="two_pass"``).
@@ -95,10 +106,15 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
   diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
   label = lambda i: placed.get(i, engine.unplaced) if i in diff else "carried"
   offload = fx.offload is not None
+  # The leaves a scan reads as its stacked input: those in a loop, and those with a reason.
+  stacked = {i for i in diff if placed.get(i) == "loop" or i in reasons}
+  mixing = {i for i, why in reasons.items() if why.startswith(_row_checks.MIXES_ROWS)}
+  warnings = _muon_dims.muon_warnings(fx.tx, params, stacked, mixing)
   return Placements({path: label(i) for i, path in enumerate(paths)},
                     {paths[i]: why for i, why in reasons.items()
                      if i in diff and placed.get(i) != "loop"},
-                    _state_memory(engine.tx, params, paths, diff, offload))
+                    _state_memory(engine.tx, params, paths, diff, offload),
+                    {paths[i]: why for i, why in warnings.items()})
 
 
 def _state_memory(tx, params, paths: list[str], diff: set[int], offload: bool

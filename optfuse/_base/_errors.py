@@ -82,3 +82,12 @@ class LowBitError(OptfuseError, ValueError):
   shaped like its parameter. Wrap only the elementwise part of a chain, or pass ``slot_map``
   returning ``None`` for the slots to keep as they are.
   """
+
+
+class MuonDimsError(OptfuseError, ValueError):
+  """``stacked_muon_dims`` cannot number a leaf's axes as Muon's matrices.
+
+  Raised when the layer axis is out of range for a leaf taken as stacked (pass ``layer_axis``,
+  or ``stacked`` to say which leaves carry it), or when a ``matrix`` rule returns axes that are
+  not a matrix of one layer: an axis out of range, an axis on both sides, or a side empty.
+  """

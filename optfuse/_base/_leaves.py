@@ -1,4 +1,5 @@
-"""Leaf predicates shared by every layer: which params and state leaves are trained."""
+"""Leaf predicates shared by every layer: which params and state leaves are trained, and a
+leaf's key path as names."""
 
 from __future__ import annotations
 
@@ -25,3 +26,10 @@ def keep_int_state(new, old):
   """
   keep = lambda n, o: o if not is_float(o) and jnp.result_type(n) != jnp.result_type(o) else n
   return jax.tree.map(keep, new, old)
+
+
+def key_names(path) -> tuple[str, ...]:
+  """A key path (``jax.tree_util``'s) as names, alike whether a level is a dict, a State, an
+  attribute or a sequence: ``(DictKey('layers'), GetAttrKey('value'))`` -> ``('layers', 'value')``.
+  """
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)

@@ -16,6 +16,9 @@ from optfuse._jaxpr import _rows
 from optfuse._plan import _in_place
 from optfuse._plan._fields import LeafGroup, slots_only
 
+# How a reason begins when the update reads other rows than its own (``describe`` reads it).
+MIXES_ROWS = "its update mixes rows"
+
 
 def _unpacks_bits(jaxpr: jcore.Jaxpr) -> bool:
   """Whether ``jaxpr`` (or a sub-jaxpr) bitcasts between dtypes: it reads packed state
@@ -125,7 +128,7 @@ class RowChecks:
       return (f"its update runs {e.primitive} on its rows, which has no row rule yet (whether it "
               "mixes rows is not known)")
     except _rows.NotRowwise as e:
-      return f"its update mixes rows ({e})"
+      return f"{MIXES_ROWS} ({e})"
     return None
 
   def rowwise(self, i: int, state, params, axis: int = 0, stats: bool = False) -> bool:
