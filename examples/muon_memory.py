@@ -104,13 +104,21 @@ def _cell(row: dict[str, Any]) -> str:
   if "peak_bytes" not in row:
     return f"needs {format_bytes(row['needs_bytes'])}" if row["needs_bytes"] else "does not fit"
   host = f" + {format_bytes(row['host_bytes'])} host" if row["host_bytes"] else ""
+  if row["link_bytes"] and not row["host_bytes"]:
+    host = " (host memory is device memory: nothing offloaded)"
   return f"{format_bytes(row['peak_bytes'])}{host}"
 
 
 def _below(row: dict[str, Any], optax_row: dict[str, Any]) -> str:
-  if row is optax_row or "peak_bytes" not in row or "peak_bytes" not in optax_row:
+  """How far the row's peak is below optax's peak, or below the bytes the compiler said optax's
+  step needs where it refused it."""
+  if row is optax_row or "peak_bytes" not in row:
     return "-"
-  return format_bytes(optax_row["peak_bytes"] - row["peak_bytes"])
+  if "peak_bytes" in optax_row:
+    return format_bytes(optax_row["peak_bytes"] - row["peak_bytes"])
+  if optax_row.get("needs_bytes"):
+    return f"{format_bytes(optax_row['needs_bytes'] - row['peak_bytes'])} (below what optax needs)"
+  return "-"
 
 
 def markdown(rows: list[dict[str, Any]], largest: int, total: int) -> str:
@@ -126,9 +134,11 @@ def markdown(rows: list[dict[str, Any]], largest: int, total: int) -> str:
   return "\n".join(out)
 
 
-def time_steps(rounds: int, steps_per_round: int) -> None:
-  """Interleaved A/B rounds of fused and optax Muon on ``TIMED``, after one warmup round each."""
-  model = _models.decoder(TIMED, scanned=True, remat=True)
+def time_steps(rounds: int, steps_per_round: int, config: _models.DecoderConfig = TIMED
+               ) -> dict[str, list[float]]:
+  """Interleaved A/B rounds of fused and optax Muon on ``config``, after one warmup round each:
+  the seconds a step of each round, per step name."""
+  model = _models.decoder(config, scanned=True, remat=True)
   batch = _models.materialize(model.batch, 1)
   runs = {}
   for name, mode in (("optax", "off"), ("backward", "backward")):
@@ -161,6 +171,7 @@ def time_steps(rounds: int, steps_per_round: int) -> None:
   ratios = [b / o for b, o in zip(seconds["backward"], seconds["optax"], strict=True)]
   print(f"backward / optax: {med['backward'] / med['optax']:.3f} (per round "
         f"{min(ratios):.3f}-{max(ratios):.3f})")
+  return seconds
 
 
 def main() -> None:
