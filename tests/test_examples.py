@@ -113,3 +113,19 @@ def test_low_bit_quality_study_reports_every_variant_and_writes_its_plot(tmp_pat
   assert trained["8-bit"] < 0.27 * trained["f32"] and trained["4-bit"] < 0.14 * trained["f32"]
   assert (tmp_path / "quality.png").stat().st_size > 0
   assert "| 8-bit |" in example.markdown(out)
+
+
+def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps():
+  from optfuse.bench import _models
+  example = _load("muon_memory")
+  config = _models.DecoderConfig(layers=4, dim=64, heads=4, ff=256, vocab=256, seq=32, batch=2)
+  model = _models.decoder(config, scanned=True, remat=True)
+  example.check_placement(model)
+  rows = [example.measure(model, "muon", step, None) for step in example.STEPS]
+  assert all("peak_bytes" in r for r in rows), rows
+  assert rows[1]["peak_bytes"] < rows[0]["peak_bytes"]
+  assert rows[2]["host_bytes"] == 0 < rows[2]["link_bytes"]  # XLA:CPU: host is device memory
+  table = example.markdown(rows, *example.stacked_bytes(model.params))
+  assert table.count("| muon |") == len(example.STEPS)
+  seconds = example.time_steps(rounds=1, steps_per_round=1, config=config)
+  assert all(len(s) == 1 and s[0] > 0 for s in seconds.values())
