@@ -216,7 +216,8 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
 # 4.9e-5), while a learning rate 5 % off stays tens of times beyond eight starts' widest
 # (test_the_low_bit_muon_check_rejects_a_learning_rate_five_percent_off).
 MUON_NUDGES = (1, -1, 2, -2, 3, -3, 4)
-LOW_BIT_CASES = [pytest.param(0, 8, id="axis0-8bit"), pytest.param(1, 8, id="axis1-8bit"),
+LOW_BIT_CASES = [pytest.param(0, 8, id="axis0-8bit"),
+                 pytest.param(1, 8, id="axis1-8bit", marks=pytest.mark.slow),
                  pytest.param(0, 4, id="axis0-4bit", marks=pytest.mark.slow)]
 
 
@@ -296,6 +297,7 @@ def test_offloaded_low_bit_muon_momentum_lives_on_the_host_and_trains_like_the_u
   models.assert_same_low_bit_trajectory(got[:2], _low_bit_reference(tx), MUON_NUDGES)
 
 
+@pytest.mark.slow
 def test_low_bit_muon_with_microbatches_trains_like_the_unfused_microbatched_step():
   tx = _low_bit_muon()
   got = _run(optfuse.fuse(tx, mode="backward"), microbatches=2)
