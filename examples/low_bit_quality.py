@@ -20,10 +20,16 @@ Each seed draws its own initial params and its own batches; float32 AdamW, 8-bit
 
 and writes the loss curves to ``docs/_static/low_bit_quality.png``.
 
+``--optimizer muon`` runs the same study with ``optax.contrib.muon`` (each stacked matrix
+orthogonalised per layer, ``examples/muon_memory.py``'s dimension numbers; the rest on its AdamW
+fallback): its one slot, the momentum ``mu``, in float32 or low bits; part 1 and 3 only, the
+curves to ``docs/_static/low_bit_quality_muon.png``. ``--variants`` picks the variants.
+
 Usage::
 
   python examples/low_bit_quality.py            # about 10 minutes on two shared CPU cores
   python examples/low_bit_quality.py --quick    # a tiny run, seconds, no plot
+  python examples/low_bit_quality.py --optimizer muon --variants f32,8-bit
 """
 
 from __future__ import annotations
@@ -45,10 +51,16 @@ from optfuse._low_bit import _blocks, _maps
 from optfuse.bench import _models
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from muon_memory import muon_dims  # noqa: E402  (the bench decoder's Muon dimension numbers)
 from nnx_transformer_lm import load_corpus  # noqa: E402  (the examples' shared corpus)
 
-PLOT = pathlib.Path(__file__).resolve().parent.parent / "docs" / "_static" / "low_bit_quality.png"
+STATIC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "_static"
+PLOT = STATIC / "low_bit_quality.png"
+PLOTS = {"adamw": PLOT, "muon": STATIC / "low_bit_quality_muon.png"}
 VARIANTS = {"f32": None, "8-bit": 8, "4-bit": 4}
+# Muon's matrices take a larger step than AdamW's (Jordan et al. 2024 use 0.02); the rest of the
+# params, on its AdamW fallback, the AdamW recipe's peak rate.
+MUON_LEARNING_RATE = 0.02
 BLOCK_SIZES = (64, 128, 256, 2048)
 
 CONFIG = dict(model=_models.DecoderConfig(layers=4, dim=128, heads=4, ff=512, vocab=256, seq=64,
@@ -62,8 +74,25 @@ QUICK = dict(model=_models.DecoderConfig(layers=2, dim=64, heads=2, ff=128, voca
 def adamw(learning_rate: float, steps: int, bits: int | None) -> optax.GradientTransformation:
   """The LM recipe's AdamW (warmup, cosine decay, b2=0.95, weight decay 0.1), its state in
   float32 (``bits=None``) or low bits."""
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 10), steps)
-  tx = optax.adamw(schedule, b2=0.95, weight_decay=0.1)
+  return optimizer("adamw", learning_rate, steps, bits)
+
+
+def optimizer(name: str, learning_rate: float, steps: int, bits: int | None
+              ) -> optax.GradientTransformation:
+  """``"adamw"``: the LM recipe's AdamW (warmup, cosine decay, b2=0.95, weight decay 0.1);
+  ``"muon"``: Muon on the stacked matrices (peak rate MUON_LEARNING_RATE, the same schedule and
+  weight decay), the rest on its AdamW fallback at ``learning_rate``. The state in float32
+  (``bits=None``) or low bits."""
+  warmup = max(1, steps // 10)
+  schedule = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, steps)
+  if name == "adamw":
+    tx = optax.adamw(schedule(learning_rate), b2=0.95, weight_decay=0.1)
+  elif name == "muon":
+    tx = optax.contrib.muon(schedule(MUON_LEARNING_RATE), weight_decay=0.1,
+                            adam_learning_rate=schedule(learning_rate), adam_b2=0.95,
+                            adam_weight_decay=0.1, muon_weight_dimension_numbers=muon_dims)
+  else:
+    raise ValueError(f"optimizer {name!r}: the study runs 'adamw' or 'muon'")
   return tx if bits is None else optfuse.low_bit(tx, bits=bits)
 
 
@@ -77,10 +106,11 @@ def windows(data: np.ndarray, starts, length: int) -> np.ndarray:
   return np.stack([data[s:s + length] for s in starts]).astype(np.int32)
 
 
-def trainer(config: dict, bits: int | None):
+def trainer(config: dict, bits: int | None, name: str = "adamw"):
   """The model and the jitted fused step of one variant (compiled once, for every seed)."""
   model = _models.decoder(config["model"], scanned=True, remat=False)
-  fx = optfuse.fuse(adamw(config["learning_rate"], config["steps"], bits), mode="backward")
+  tx = optimizer(name, config["learning_rate"], config["steps"], bits)
+  fx = optfuse.fuse(tx, mode="backward")
   return model, fx, jax.jit(fx.value_and_update(model.loss), donate_argnums=(0, 1))
 
 
@@ -102,24 +132,26 @@ def train(config: dict, variant, seed: int, train_data: np.ndarray,
   return {"losses": np.asarray(jax.device_get(losses)), "val_loss": float(val)}
 
 
-def quality(config: dict) -> dict[str, Any]:
-  """Every variant from every seed: ``{"runs": {variant: [run per seed]}, "table": rows}``."""
+def quality(config: dict, name: str = "adamw", variants: tuple[str, ...] = tuple(VARIANTS)
+            ) -> dict[str, Any]:
+  """Every variant (float32 first) from every seed: ``{"runs": {variant: [run per seed]},
+  "table": rows}``."""
   c = config["model"]
   train_data, val_data = split_corpus(config["corpus_mb"])
   starts = np.linspace(0, len(val_data) - c.seq - 1, config["val_windows"]).astype(int)
   val_tokens = windows(val_data, starts, c.seq + 1)
   runs = {}
-  for name, bits in VARIANTS.items():
-    variant = trainer(config, bits)
-    runs[name] = [train(config, variant, seed, train_data, val_tokens)
-                  for seed in range(config["seeds"])]
-  final = {name: [r["val_loss"] for r in rs] for name, rs in runs.items()}
+  for variant in variants:
+    step = trainer(config, VARIANTS[variant], name)
+    runs[variant] = [train(config, step, seed, train_data, val_tokens)
+                     for seed in range(config["seeds"])]
+  final = {variant: [r["val_loss"] for r in rs] for variant, rs in runs.items()}
   spread = max(final["f32"]) - min(final["f32"])
   rows = []
-  for name, values in final.items():
+  for variant, values in final.items():
     diff = statistics.mean(v - f for v, f in zip(values, final["f32"], strict=True))
-    allowed = {"f32": None, "8-bit": spread, "4-bit": 2 * spread}[name]
-    rows.append({"variant": name, "mean": statistics.mean(values),
+    allowed = {"f32": None, "8-bit": spread, "4-bit": 2 * spread}[variant]
+    rows.append({"variant": variant, "mean": statistics.mean(values),
                  "spread": max(values) - min(values), "paired_diff": diff, "allowed": allowed,
                  "met": None if allowed is None else abs(diff) <= allowed})
   return {"runs": runs, "table": rows}
@@ -198,18 +230,20 @@ def error_table(config: dict) -> list[dict[str, Any]]:
           for bits in (8, 4) for block in BLOCK_SIZES]
 
 
-def state_bytes(c: _models.DecoderConfig) -> dict[str, int]:
-  """AdamW's state bytes for the decoder of ``c``, in float32 and in low bits (compile-free)."""
+def state_bytes(c: _models.DecoderConfig, name: str = "adamw") -> dict[str, int]:
+  """The optimizer's state bytes for the decoder of ``c``, in float32 and in low bits
+  (compile-free)."""
   params = _models.abstract(_models.decoder(c, scanned=True, remat=False).params)
   out = {}
-  for name, bits in VARIANTS.items():
-    tx = optax.adamw(1e-3) if bits is None else optfuse.low_bit(optax.adamw(1e-3), bits=bits)
-    out[name] = sum(math.prod(x.shape) * x.dtype.itemsize
-                    for x in jax.tree.leaves(jax.eval_shape(tx.init, params)))
+  for variant, bits in VARIANTS.items():
+    tx = optimizer(name, 1e-3, 10, bits)
+    out[variant] = sum(math.prod(x.shape) * x.dtype.itemsize
+                       for x in jax.tree.leaves(jax.eval_shape(tx.init, params)))
   return out
 
 
-def plot(runs: dict[str, list[dict]], path: pathlib.Path, config: dict) -> None:
+def plot(runs: dict[str, list[dict]], path: pathlib.Path, config: dict, name: str = "adamw"
+         ) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
@@ -224,8 +258,9 @@ def plot(runs: dict[str, list[dict]], path: pathlib.Path, config: dict) -> None:
     ax.plot(x, smooth.mean(0), color=color, label=f"{name} (mean of {len(rs)} seeds)")
     ax.fill_between(x, smooth.min(0), smooth.max(0), color=color, alpha=0.2)
   ax.set(xlabel="step", ylabel=f"training loss (nats/byte, mean over {window} steps)",
-         yscale="log", title=f"AdamW state in float32, 8 and 4 bits: scanned decoder "
-                             f"{c.layers}x{c.dim}, stdlib bytes")
+         yscale="log", title=f"{'AdamW' if name == 'adamw' else 'Muon'} state in "
+                             f"{', '.join(runs)}: scanned decoder {c.layers}x{c.dim}, "
+                             "stdlib bytes")
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
@@ -234,17 +269,21 @@ def plot(runs: dict[str, list[dict]], path: pathlib.Path, config: dict) -> None:
   plt.close(fig)
 
 
-def run(quick: bool = False, plot_path: pathlib.Path | None = PLOT) -> dict[str, Any]:
-  """The whole study (``quick``: a tiny configuration); writes the plot unless ``plot_path`` is
-  ``None``."""
+def run(quick: bool = False, plot_path: pathlib.Path | None = PLOT, name: str = "adamw",
+        variants: tuple[str, ...] = tuple(VARIANTS)) -> dict[str, Any]:
+  """The whole study of optimizer ``name`` (``quick``: a tiny configuration) over ``variants``
+  (float32 first); writes the plot unless ``plot_path`` is ``None``. The slot-error table is
+  AdamW's (its ``mu`` and ``nu``)."""
+  if not variants or variants[0] != "f32" or not set(variants) <= set(VARIANTS):
+    raise ValueError(f"variants {variants!r}: 'f32' first, then any of {list(VARIANTS)[1:]}")
   config = QUICK if quick else CONFIG
-  out = quality(config)
-  out["errors"] = error_table(config)
-  out["bytes"] = {"tiny (QUICK)": state_bytes(QUICK["model"]),
-                  "trained (CONFIG)": state_bytes(CONFIG["model"])}
-  out["config"] = config
+  out = quality(config, name, variants)
+  out["errors"] = error_table(config) if name == "adamw" else []
+  out["bytes"] = {"tiny (QUICK)": state_bytes(QUICK["model"], name),
+                  "trained (CONFIG)": state_bytes(CONFIG["model"], name)}
+  out["config"], out["optimizer"] = config, name
   if plot_path is not None:
-    plot(out["runs"], plot_path, config)
+    plot(out["runs"], plot_path, config, name)
     out["plot"] = plot_path
   return out
 
@@ -257,18 +296,22 @@ def markdown(out: dict[str, Any]) -> str:
                  f"{r['paired_diff']:+.4f} | "
                  + ("- | - |" if r["allowed"] is None else
                     f"{r['allowed']:.4f} | {'yes' if r['met'] else 'no'} |"))
-  lines += ["", "| bits | block | mu rel. error | nu rel. error | nonzero nu stored as 0 |"
-            " 2nd update rel. error |", "|---|---|---|---|---|---|"]
+  if out["errors"]:
+    lines += ["", "| bits | block | mu rel. error | nu rel. error | nonzero nu stored as 0 |"
+              " 2nd update rel. error |", "|---|---|---|---|---|---|"]
   for e in out["errors"]:
     lines.append(f"| {e['bits']} | {e['block_size']} | {e['mu']:.2e} | {e['nu']:.2e} | "
                  f"{100 * e['nu_to_zero']:.2f} % | {e['update']:.2e} |")
-  lines += ["", "| model | AdamW state f32 | 8-bit | 4-bit |", "|---|---|---|---|"]
+  title = "AdamW" if out.get("optimizer", "adamw") == "adamw" else "Muon"
+  lines += ["", f"| model | {title} state f32 | 8-bit | 4-bit |", "|---|---|---|---|"]
   for name, b in out["bytes"].items():
     lines.append(f"| {name} | {b['f32']:,} B | {b['8-bit']:,} B ({b['8-bit'] / b['f32']:.0%}) | "
                  f"{b['4-bit']:,} B ({b['4-bit'] / b['f32']:.0%}) |")
   c = out["config"]
-  lines.append(f"\n{c['model']}, {c['steps']} steps, {c['seeds']} seeds, peak lr "
-               f"{c['learning_rate']}; jax {jax.__version__}, optax {optax.__version__}")
+  rate = (f"peak lr {c['learning_rate']}" if out.get("optimizer", "adamw") == "adamw" else
+          f"Muon peak lr {MUON_LEARNING_RATE}, fallback {c['learning_rate']}")
+  lines.append(f"\n{c['model']}, {c['steps']} steps, {c['seeds']} seeds, {rate}; "
+               f"jax {jax.__version__}, optax {optax.__version__}")
   return "\n".join(lines)
 
 
@@ -277,8 +320,12 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true",
                       help="a tiny configuration, seconds; writes no plot")
   parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
+  parser.add_argument("--optimizer", choices=sorted(PLOTS), default="adamw")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help="comma-separated, f32 first (default: %(default)s)")
   args = parser.parse_args()
-  out = run(args.quick, None if args.no_plot or args.quick else PLOT)
+  plot_path = None if args.no_plot or args.quick else PLOTS[args.optimizer]
+  out = run(args.quick, plot_path, args.optimizer, tuple(args.variants.split(",")))
   print(markdown(out))
   if "plot" in out:
     print(f"wrote {out['plot']}")

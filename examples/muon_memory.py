@@ -14,11 +14,16 @@ decoder of 8 layers, d=256 (about half a second a step on two CPU cores), each s
 the params and state donated, interleaved A/B rounds after a warmup; it prints the median and
 range of each and their ratio.
 
+``--state-bits 8`` holds each optimizer's float state in 8 bits (``optfuse.low_bit``: Muon's
+momentum and the fallback's moments; AdamW's two moments), and the table's first line gives the
+state's bytes in float32 and in 8 bits.
+
 Usage::
 
   python examples/muon_memory.py                     # XLA:CPU
   python examples/muon_memory.py --target tpu-v5e    # the TPU compiler (pip extra "tpu")
   python examples/muon_memory.py --target h100       # the GPU compiler (CUDA plugin)
+  python examples/muon_memory.py --state-bits 8      # the optimizer state in 8 bits
   python examples/muon_memory.py --time --rounds 9   # the step time on this machine
 
 Every memory figure is XLA's buffer assignment for the target's compiler: deterministic for given
@@ -63,6 +68,18 @@ OPTIMIZERS = {"muon": lambda: optax.contrib.muon(LR, muon_weight_dimension_numbe
               "adamw": lambda: optax.adamw(LR)}
 
 
+def optimizer(name: str, state_bits: int = 32) -> optax.GradientTransformation:
+  """``OPTIMIZERS[name]``, its float state in ``state_bits`` bits (``optfuse.low_bit``)."""
+  tx = OPTIMIZERS[name]()
+  return tx if state_bits == 32 else optfuse.low_bit(tx, state_bits)
+
+
+def state_bytes(name: str, params, state_bits: int) -> int:
+  """The bytes of the optimizer's state for ``params`` (abstract), as its ``init`` makes it."""
+  state = jax.eval_shape(optimizer(name, state_bits).init, params)
+  return sum(_models.nbytes(x) for x in jax.tree.leaves(state))
+
+
 def stacked_bytes(params) -> tuple[int, int]:
   """The bytes of the largest stacked matrix and of all of them: the gradients the backward
   loop need not hold at once."""
@@ -70,10 +87,10 @@ def stacked_bytes(params) -> tuple[int, int]:
   return max(sizes), sum(sizes)
 
 
-def check_placement(model: _models.Model) -> None:
+def check_placement(model: _models.Model, state_bits: int = 32) -> None:
   """Every stacked matrix updated in its backward loop iteration, or stop."""
   params = _models.abstract(model.params)
-  where = optfuse.describe(OPTIMIZERS["muon"](), model.loss, params,
+  where = optfuse.describe(optimizer("muon", state_bits), model.loss, params,
                            *_models.abstract(model.batch))
   stacked = [f"['layers']['{name}']" for name in MATRICES]
   if any(where[leaf] != "loop" for leaf in stacked):
@@ -81,12 +98,12 @@ def check_placement(model: _models.Model) -> None:
   print(f"describe: {', '.join(MATRICES)} at loop", file=sys.stderr, flush=True)
 
 
-def measure(model: _models.Model, optimizer: str, step: str, target: str | None
+def measure(model: _models.Model, name: str, step: str, target: str | None, state_bits: int = 32
             ) -> dict[str, Any]:
-  """One compile: the row of (optimizer, step, target)."""
+  """One compile: the row of (optimizer ``name``, step, target)."""
   mode, offload = STEPS[step]
-  fx = optfuse.fuse(OPTIMIZERS[optimizer](), mode=mode, offload=offload)
-  row = {"optimizer": optimizer, "step": step, "target": target or "cpu"}
+  fx = optfuse.fuse(optimizer(name, state_bits), mode=mode, offload=offload)
+  row = {"optimizer": name, "state_bits": state_bits, "step": step, "target": target or "cpu"}
   try:
     memory = _memory.step_memory(fx, model.loss, _models.abstract(model.params),
                                  tuple(_models.abstract(model.batch)),
@@ -121,10 +138,13 @@ def _below(row: dict[str, Any], optax_row: dict[str, Any]) -> str:
   return "-"
 
 
-def markdown(rows: list[dict[str, Any]], largest: int, total: int) -> str:
-  """One line per (optimizer, step): the peak (+ host bytes) and how far below optax's."""
+def markdown(rows: list[dict[str, Any]], largest: int, total: int, states: dict[str, str]
+             ) -> str:
+  """One line per (optimizer, step): the peak (+ host bytes) and how far below optax's;
+  ``states`` gives each optimizer's state bytes."""
   out = [f"largest stacked gradient: {format_bytes(largest)}; all stacked matrices' gradients: "
-         f"{format_bytes(total)}", "",
+         f"{format_bytes(total)}; optimizer state: "
+         + "; ".join(f"{name} {text}" for name, text in states.items()), "",
          "| optimizer | step | target | peak (+ host) | below optax |", "|---|---|---|---:|---:|"]
   for r in rows:
     optax_row = next(o for o in rows if (o["optimizer"], o["target"], o["step"])
@@ -179,25 +199,35 @@ def main() -> None:
   parser.add_argument("--target", help="a compile target (default: this machine)")
   parser.add_argument("--optimizers", default="muon,adamw")
   parser.add_argument("--json", help="append each row to this JSON-lines file as it is measured")
+  parser.add_argument("--state-bits", type=int, choices=(32, 8, 4), default=32,
+                      help="hold the optimizer's float state in 8 or 4 bits (optfuse.low_bit)")
   parser.add_argument("--time", action="store_true", help="time the steps instead")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=5, help="steps a timed round")
   args = parser.parse_args()
   if args.time:
-    for optimizer in args.optimizers.split(","):
-      time_steps(args.rounds, args.steps, optimizer=optimizer)
+    for name in args.optimizers.split(","):
+      time_steps(args.rounds, args.steps, optimizer=name)
     return
   model = _models.decoder(_suite.DECODER_1_3B, scanned=True, remat=True)
-  check_placement(model)
+  check_placement(model, args.state_bits)
+  names = args.optimizers.split(",")
+  params = _models.abstract(model.params)
+  states = {}
+  for name in names:
+    states[name] = format_bytes(state_bytes(name, params, 32)) + " in float32"
+    if args.state_bits != 32:
+      states[name] += (f", {format_bytes(state_bytes(name, params, args.state_bits))} in "
+                       f"{args.state_bits} bits")
   rows = []
-  for optimizer in args.optimizers.split(","):
+  for name in names:
     for step in STEPS:
-      rows.append(measure(model, optimizer, step, args.target))
+      rows.append(measure(model, name, step, args.target, args.state_bits))
       print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
       if args.json:
         with open(args.json, "a") as f:
           f.write(json.dumps(rows[-1]) + "\n")
-  print(markdown(rows, *stacked_bytes(model.params)))
+  print(markdown(rows, *stacked_bytes(model.params), states))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,17 @@ def run_optax(tx: optax.GradientTransformation, params, batches: Sequence[tuple]
   to ``tx.update``, as line searches, Polyak step sizes and ``reduce_on_plateau`` require.
   """
 
+  params = copy(params)
+  return run_steps(optax_step(tx, loss_fn, loss_args), params, tx.init(params), batches, steps,
+                   jit)
+
+
+def optax_step(tx: optax.GradientTransformation, loss_fn: Callable, loss_args: bool = False
+               ) -> Callable:
+  """The plain optax step ``run_optax`` runs, ``(params, state, *batch) -> (loss, params,
+  state)``: jit it once (with donation) and pass it to ``run_steps(..., jit=False)`` to run
+  several references (``nudge``) on one compile."""
+
   def step(params, state, *args):
     loss, grads = jax.value_and_grad(loss_fn)(params, *args)
     extra = {}
@@ -128,8 +139,7 @@ def run_optax(tx: optax.GradientTransformation, params, batches: Sequence[tuple]
     updates, state = tx.update(grads, state, params, **extra)
     return loss, optax.apply_updates(params, updates), state
 
-  params = copy(params)
-  return run_steps(step, params, tx.init(params), batches, steps, jit)
+  return step
 
 
 def run_steps(step: Callable, params, state, batches: Sequence[tuple], steps: int,
@@ -309,21 +319,24 @@ def _distances(a, b) -> list[float]:
                   for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1]), strict=True))]
 
 
-def low_bit_spread(reference: Callable[[int], tuple]) -> tuple[tuple, list[float]]:
+def low_bit_spread(reference: Callable[[int], tuple], nudges: Sequence[int] = NUDGES
+                   ) -> tuple[tuple, list[float]]:
   """``reference(0)``, and the widest distance (``_distances``) between the runs
-  ``reference(ulps)`` for ``ulps`` in ``(0, *NUDGES)``, pair by pair."""
-  runs = [reference(ulps) for ulps in (0, *NUDGES)]
+  ``reference(ulps)`` for ``ulps`` in ``(0, *nudges)``, pair by pair."""
+  runs = [reference(ulps) for ulps in (0, *nudges)]
   pairs = [_distances(a, b) for i, a in enumerate(runs) for b in runs[i + 1:]]
   return runs[0], [max(column) for column in zip(*pairs)]
 
 
-def assert_within_reference_spread(got, reference: Callable[[int], tuple], tol: dict):
+def assert_within_reference_spread(got, reference: Callable[[int], tuple], tol: dict,
+                                   nudges: Sequence[int] = NUDGES):
   """A chaotic run ``got = (losses, params)`` follows ``reference``, which runs the reference
   from the starting point moved by ``ulps`` (``nudge``) and returns its ``(losses, params)``:
   each of the losses and the params leaves is within ``tol`` (``np.allclose``) of
   ``reference(0)``, or within SPREAD_MARGIN times the spread the reference runs show from
-  starting points an ulp or two apart (see LOW_BIT_TOL's comment)."""
-  want, spread = low_bit_spread(reference)
+  starting points an ulp or two apart (see LOW_BIT_TOL's comment), or as many as ``nudges``
+  says."""
+  want, spread = low_bit_spread(reference, nudges)
   names = ["losses", *(jax.tree_util.keystr(k) for k, _ in
                        jax.tree_util.tree_flatten_with_path(want[1])[0])]
   values = [(got[0], want[0]), *zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))]
@@ -335,7 +348,8 @@ def assert_within_reference_spread(got, reference: Callable[[int], tuple], tol: 
         f"{width:.3g} of reference runs started an ulp or two apart")
 
 
-def assert_same_low_bit_trajectory(got, reference: Callable[[int], tuple]):
+def assert_same_low_bit_trajectory(got, reference: Callable[[int], tuple],
+                                   nudges: Sequence[int] = NUDGES):
   """``assert_within_reference_spread`` at LOW_BIT_TOL: a low-bit run, whose flipped codes
   make the trajectory chaotic."""
-  assert_within_reference_spread(got, reference, LOW_BIT_TOL)
+  assert_within_reference_spread(got, reference, LOW_BIT_TOL, nudges)

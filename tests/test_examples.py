@@ -115,6 +115,21 @@ def test_low_bit_quality_study_reports_every_variant_and_writes_its_plot(tmp_pat
   assert "| 8-bit |" in example.markdown(out)
 
 
+@pytest.mark.slow
+def test_low_bit_quality_study_of_muon_reports_its_variants_and_its_state_bytes(tmp_path):
+  example = _load("low_bit_quality")
+  out = example.run(quick=True, plot_path=tmp_path / "muon.png", name="muon",
+                    variants=("f32", "8-bit"))
+  assert [r["variant"] for r in out["table"]] == ["f32", "8-bit"]
+  assert all(np.isfinite(r["mean"]) for r in out["table"]) and out["errors"] == []
+  trained = out["bytes"]["trained (CONFIG)"]  # Muon's one slot: a quarter, then an eighth
+  assert trained["8-bit"] < 0.27 * trained["f32"] and trained["4-bit"] < 0.14 * trained["f32"]
+  assert (tmp_path / "muon.png").stat().st_size > 0
+  assert "| Muon state f32 |" in example.markdown(out)
+  with pytest.raises(ValueError, match="'f32' first"):
+    example.run(quick=True, plot_path=None, name="muon", variants=("8-bit",))
+
+
 def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps():
   from optfuse.bench import _models
   example = _load("muon_memory")
@@ -125,7 +140,14 @@ def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps(
   assert all("peak_bytes" in r for r in rows), rows
   assert rows[1]["peak_bytes"] < rows[0]["peak_bytes"]
   assert rows[2]["host_bytes"] == 0 < rows[2]["link_bytes"]  # XLA:CPU: host is device memory
-  table = example.markdown(rows, *example.stacked_bytes(model.params))
+  table = example.markdown(rows, *example.stacked_bytes(model.params), {"muon": "f32"})
   assert table.count("| muon |") == len(example.STEPS)
+  # --state-bits 8: Muon's momentum in 8 bits, still in the loop, a quarter of the state's bytes
+  # for the stacked matrices.
+  example.check_placement(model, state_bits=8)
+  low = example.measure(model, "muon", "backward", None, state_bits=8)
+  assert low["peak_bytes"] < rows[1]["peak_bytes"], (low, rows[1])
+  params = _models.abstract(model.params)
+  assert example.state_bytes("muon", params, 8) < example.state_bytes("muon", params, 32) / 3
   seconds = example.time_steps(rounds=1, steps_per_round=1, config=config)
   assert all(len(s) == 1 and s[0] > 0 for s in seconds.values())

@@ -201,3 +201,105 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
                         env=dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# Muon's one slot, its momentum ``mu``, in 8 or 4 bits (``optfuse.low_bit``): each stacked
+# matrix's codes and scales stay stacked like it (blocks run along its last axis), so the
+# quantize, the Newton-Schulz iterations and the dequantize run on one layer's matrix in its loop
+# iteration. A low-bit trajectory is chaotic (a flipped code moves a weight by a fraction of a
+# step): the fused run is judged against the spread of the unfused low-bit runs started an ulp
+# or two apart (models.assert_same_low_bit_trajectory), as tests/test_low_bit_fusion.py does,
+# from eight starts instead of four: Muon orthogonalises the whole matrix, so one flipped code
+# moves every element of a layer's matrix and the distances between runs are heavy-tailed. Four
+# starts' widest pair can fall below a fused run's distance (measured for the head at
+# --xla_backend_optimization_level=0: 1.4e-5 from four starts, 1.6e-4 from eight, the fused run
+# 4.9e-5), while a learning rate 5 % off stays tens of times beyond eight starts' widest
+# (test_the_low_bit_muon_check_rejects_a_learning_rate_five_percent_off).
+MUON_NUDGES = (1, -1, 2, -2, 3, -3, 4)
+LOW_BIT_CASES = [pytest.param(0, 8, id="axis0-8bit"),
+                 pytest.param(1, 8, id="axis1-8bit", marks=pytest.mark.slow),
+                 pytest.param(0, 4, id="axis0-4bit", marks=pytest.mark.slow)]
+
+
+def _low_bit_muon(layer_axis: int = 0, bits: int = 8) -> optax.GradientTransformation:
+  return optfuse.low_bit(_muon(layer_axis), bits, min_size=0)  # the test's matrices are small
+
+
+def _momentum(state) -> dict:
+  return state.inner_states["muon"].inner_state[0].mu
+
+
+def _low_bit_reference(tx, layer_axis: int = 0, steps: int = 20, microbatches=None):
+  """The unfused low-bit run from the params moved by ``ulps``, as ``(losses, params)``: one
+  compile for every start."""
+  fx = optfuse.fuse(tx, mode="off")
+  step = jax.jit(fx.value_and_update(_loss(layer_axis), microbatches=microbatches),
+                 donate_argnums=(0, 1))
+
+  def run(ulps):
+    params = models.nudge(decoder_params(layer_axis), ulps)
+    return models.run_steps(step, params, fx.init(params), _batches(), steps, jit=False)[:2]
+
+  return run
+
+
+@pytest.mark.parametrize("layer_axis,bits", [(0, 8), (1, 8), (0, 4)])
+def test_describe_puts_the_matrices_of_low_bit_muon_in_their_loop(layer_axis, bits):
+  tx = _low_bit_muon(layer_axis, bits)
+  momentum = _momentum(tx.init(decoder_params(layer_axis)))
+  assert all(isinstance(momentum["layers"][name], optfuse.QuantizedSlot) for name in DIMS)
+  where = optfuse.describe(tx, _loss(layer_axis), decoder_params(layer_axis), *_batches()[0])
+  assert all(where[m] == "loop" for m in MATRICES), where.table()
+  norms = ["['layers']['norm1']", "['layers']['norm2']"]
+  if layer_axis == 0:
+    assert not where.reasons, where.reasons
+  else:  # a (d, L) scale's blocks run along L, across the layers
+    assert all(where[n] == "tap" for n in norms), where.table()
+    assert all("not stacked like the param" in where.reasons[n] for n in norms), where.reasons
+
+
+def test_low_bit_keeps_muons_newton_schulz_coefficients_as_they_are():
+  """``ns_coeffs`` is a hyperparameter, not a statistic: kept in float32 at any ``min_size``,
+  even beside a param of its shape (where quantizing it would pass the shape check)."""
+  params = {"w": jnp.ones((4, 16, 16)), "coeffs_shaped": jnp.ones((3,))}
+  dims = lambda p: {"w": Dims(1, 2), "coeffs_shaped": None}
+  inner = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims)
+  state = optfuse.low_bit(inner, 8, min_size=0).init(params)
+  coeffs = state.inner_states["muon"].inner_state[0].ns_coeffs
+  want = inner.init(params).inner_states["muon"].inner_state[0].ns_coeffs
+  np.testing.assert_array_equal(np.asarray(coeffs), np.asarray(want))
+  assert isinstance(_momentum(state)["w"], optfuse.QuantizedSlot)
+
+
+@pytest.mark.parametrize("layer_axis,bits", LOW_BIT_CASES)
+def test_backward_fused_low_bit_muon_trains_like_the_unfused_low_bit_muon(layer_axis, bits):
+  tx = _low_bit_muon(layer_axis, bits)
+  got = models.run_fused(tx, "backward", decoder_params(layer_axis), _batches(), 20,
+                         _loss(layer_axis))
+  models.assert_same_low_bit_trajectory(got[:2], _low_bit_reference(tx, layer_axis),
+                                        MUON_NUDGES)
+
+
+def test_the_low_bit_muon_check_rejects_a_learning_rate_five_percent_off():
+  wrong = optfuse.low_bit(optax.contrib.muon(LR * 1.05, muon_weight_dimension_numbers=muon_dims()),
+                          8, min_size=0)
+  got = _low_bit_reference(wrong)(0)
+  with pytest.raises(AssertionError, match="beyond"):
+    models.assert_same_low_bit_trajectory(got, _low_bit_reference(_low_bit_muon()), MUON_NUDGES)
+
+
+def test_offloaded_low_bit_muon_momentum_lives_on_the_host_and_trains_like_the_unfused_step():
+  tx = _low_bit_muon()
+  fx = optfuse.fuse(tx, mode="backward", offload="state")
+  momentum = _momentum(fx.init(decoder_params()))["layers"]
+  assert {x.sharding.memory_kind for name in DIMS for x in momentum[name]} == {"pinned_host"}
+  got = _run(fx)
+  models.assert_same_low_bit_trajectory(got[:2], _low_bit_reference(tx), MUON_NUDGES)
+
+
+@pytest.mark.slow
+def test_low_bit_muon_with_microbatches_trains_like_the_unfused_microbatched_step():
+  tx = _low_bit_muon()
+  got = _run(optfuse.fuse(tx, mode="backward"), microbatches=2)
+  models.assert_same_low_bit_trajectory(got[:2], _low_bit_reference(tx, microbatches=2),
+                                        MUON_NUDGES)

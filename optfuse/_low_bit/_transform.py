@@ -26,6 +26,9 @@ from optfuse._low_bit import _blocks, _maps
 
 # Slots whose values are never negative (second moments), quantized with the unsigned map.
 UNSIGNED_SLOTS = frozenset({"nu", "nu_max", "sum_of_squares"})
+# Slots that hold hyperparameters, not statistics of the gradient: kept as they are, at any size
+# (Muon's Newton-Schulz coefficients, (3,) or (steps, 3); ``inject_hyperparams``' values).
+HYPERPARAMETER_SLOTS = frozenset({"ns_coeffs", "hyperparams"})
 # bitsandbytes keeps a slot of fewer elements in 32 bits (``min_8bit_size``), as torchao does.
 MIN_SIZE = 4096
 
@@ -47,10 +50,14 @@ class QuantizedSlot(NamedTuple):
 
 
 def default_slot_map(path: str, slot: jax.ShapeDtypeStruct) -> str | None:
-  """``"unsigned"`` for a slot with a name of ``UNSIGNED_SLOTS`` on its path (Adam's ``nu``,
-  AdaGrad's ``sum_of_squares``), ``"signed"`` for every other slot."""
+  """``None`` (kept) for a slot with a name of ``HYPERPARAMETER_SLOTS`` on its path (Muon's
+  ``ns_coeffs``), ``"unsigned"`` for one with a name of ``UNSIGNED_SLOTS`` (Adam's ``nu``,
+  AdaGrad's ``sum_of_squares``), ``"signed"`` for every other slot (first moments, Muon's
+  ``mu``)."""
   del slot
   names = set(path.replace("[", ".").replace("]", ".").split("."))
+  if names & HYPERPARAMETER_SLOTS:
+    return None
   return "unsigned" if names & UNSIGNED_SLOTS else "signed"
 
 
