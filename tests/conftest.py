@@ -22,3 +22,24 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
+
+# Many tests compile the same program (the optax reference of every mode, a step checked in
+# several ways): JAX's persistent compilation cache, in a directory fresh for each run and shared
+# by its xdist workers (the first process to import this file makes it, the workers inherit the
+# variable), compiles each once: the whole suite took 755 s without it, 569 s with it, on two CPU
+# cores; the cache is keyed by the program, the compile options and XLA_FLAGS, so nothing one run
+# checks comes from another run or another ISA. Subprocesses the tests start use no cache.
+_CACHE = "OPTFUSE_TESTS_COMPILATION_CACHE"
+if _CACHE not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+
+  os.environ[_CACHE] = tempfile.mkdtemp(prefix="optfuse-tests-xla-cache-")
+  atexit.register(shutil.rmtree, os.environ[_CACHE], True)
+
+import jax  # noqa: E402  (after the environment above)
+
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -147,3 +148,27 @@ def test_a_scan_inside_xla_metadata_call_is_updated_after_the_loop_exactly_and_d
   # float32, 5 steps, the same operations as optax compiled into another program, where XLA
   # may contract differently (FMA): 1e-5 is ~100 ulps of values of order 1.
   assert max(got["max_diff"].values()) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["backward", "forward", "two_pass"])
+def test_no_jaxpr_optfuse_builds_lacks_debug_info(mode):
+  """JAX deprecates a ``core.Jaxpr`` built without debug info (jax issue 26480): a later
+  release may refuse it. optfuse's jaxprs take the debug info of the one they come from."""
+  import optax
+
+  import optfuse
+  from tests import models
+
+  tx = optax.adamw(1e-3)
+  if mode != "backward":  # a global transform, for forward mode and the two-pass stage
+    tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
+  fx = (optfuse.fuse(tx, mode="backward", global_ops="two_pass") if mode == "two_pass"
+        else optfuse.fuse(tx, mode=mode))
+  params = models.stacked_params()
+  batch = models.tied_lm_batches()[0]
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*missing a DebugInfo", category=DeprecationWarning)
+    jax.jit(fx.value_and_update(models.scanned_loss)).lower(params, fx.init(params), *batch)
+    optfuse.describe(fx, models.scanned_loss, params, *batch)
+    optfuse.memory_report(models.scanned_loss, tx, params, *batch,
+                          global_ops="two_pass" if mode == "two_pass" else None)

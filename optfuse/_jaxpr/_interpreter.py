@@ -276,11 +276,9 @@ def split_at(jaxpr: jcore.Jaxpr, value: jcore.Var, replaced: jcore.Var
   # Equations of the head that do not read ``replaced`` (constants) stay in the tail too.
   tail_eqns = [e for k, e in enumerate(jaxpr.eqns)
                if k not in head_eqns or not any(depends.get(v) for v in e.outvars)]
-  effects = lambda eqns: jcore.no_effects.union(*(e.effects for e in eqns))
-  head = jcore.Jaxpr([], list(jaxpr.invars), [value], list(jaxpr.eqns),
-                     effects(jaxpr.eqns))
+  head = new_jaxpr(jaxpr.invars, [value], jaxpr.eqns, like=jaxpr)
   invars = [value if v is replaced else v for v in jaxpr.invars]
-  tail = jcore.Jaxpr([], invars, list(jaxpr.outvars), tail_eqns, effects(tail_eqns))
+  tail = new_jaxpr(invars, jaxpr.outvars, tail_eqns, like=jaxpr)
   return prune(head, [True]), prune(tail, [True] * len(jaxpr.outvars))
 
 
@@ -301,6 +299,16 @@ def direct_dependencies(jaxpr: jcore.Jaxpr, in_deps: Sequence[Deps],
   walk.run(jaxpr, [Deps()] * len(jaxpr.constvars), in_deps)
   return [walk.labels.get(v, Deps()) if isinstance(v, jcore.Var) else Deps()
           for v in jaxpr.outvars]
+
+
+def new_jaxpr(invars: Sequence[jcore.Var], outvars: Sequence[Any],
+              eqns: Sequence[jcore.JaxprEqn], like: jcore.Jaxpr) -> jcore.Jaxpr:
+  """A jaxpr of these parts, without constvars: its effects are those of its equations, its
+  debug info ``like``'s without argument names and result paths (their counts may differ). JAX
+  deprecates a jaxpr built without debug info (``core.Jaxpr``, jax issue 26480)."""
+  effects = jcore.no_effects.union(*(e.effects for e in eqns))
+  return jcore.Jaxpr([], list(invars), list(outvars), list(eqns), effects,
+                     debug_info=like.debug_info.with_unknown_names())
 
 
 def prune(jaxpr: jcore.Jaxpr, used_outputs: Sequence[bool]) -> tuple[jcore.Jaxpr, list[bool]]:

@@ -46,12 +46,6 @@ def _is_var(atom) -> bool:
   return not isinstance(atom, jcore.Literal)
 
 
-def _make_jaxpr(constvars, invars, outvars, eqns) -> jcore.Jaxpr:
-  """A jaxpr of these parts; its effects are those of its equations."""
-  effects = jcore.no_effects.union(*(e.effects for e in eqns))
-  return jcore.Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects)
-
-
 class _Flattener(_interpreter.Interpreter):
   """Flattens the traced update and labels every variable with the gradients it reads.
 
@@ -125,8 +119,8 @@ class _Flattener(_interpreter.Interpreter):
                                           primitives.select_n_p, {}, jcore.no_effects),
                       self.dep(index).union(*(self.dep(c[k]) for c in chosen)))
         continue
-      pruned, _ = _interpreter.prune(_make_jaxpr([], operands, piece_outs, [whole]),
-                               [True] * len(piece_outs))
+      alone = _interpreter.new_jaxpr(operands, piece_outs, [whole], like=branches[0].jaxpr)
+      pruned, _ = _interpreter.prune(alone, [True] * len(piece_outs))
       (piece,) = pruned.eqns
       self.emit(piece.replace(outvars=piece_outs), self.dep(index) | deps)
     return outs
@@ -145,7 +139,8 @@ def _flatten(closed: jcore.ClosedJaxpr, in_deps: Sequence[Deps]) -> tuple[jcore.
   top = closed.jaxpr
   flattener.deps.update(zip(top.invars, in_deps))
   outvars = flattener.inline(top, closed.consts, top.invars)
-  jaxpr = _make_jaxpr([], [*flattener.constvars, *top.invars], outvars, flattener.eqns)
+  jaxpr = _interpreter.new_jaxpr([*flattener.constvars, *top.invars], outvars, flattener.eqns,
+                                 like=top)
   return jaxpr, flattener.consts, flattener.deps
 
 
@@ -232,8 +227,8 @@ class _Graph:
     rename = lambda v: sub.get(v, v) if _is_var(v) else v
     eqns = [e.replace(invars=[rename(v) for v in e.invars]) for e in eqns]
     cut_invars = [sub[c] if c in sub else jcore.Var(c.aval) for c in cuts]
-    jaxpr = _make_jaxpr([], [*self.jaxpr.invars, *extra_invars, *cut_invars],
-                        [rename(v) for v in outvars], eqns)
+    jaxpr = _interpreter.new_jaxpr([*self.jaxpr.invars, *extra_invars, *cut_invars],
+                                   [rename(v) for v in outvars], eqns, like=self.jaxpr)
     return _interpreter.prune(jaxpr, [True] * len(outvars))
 
 
@@ -274,8 +269,9 @@ def _stats_plan(graph: _Graph, c: int, n: int, global_outvars: Sequence,
   stat_jaxprs, stat_reads = [], []
   for leaf_stats in stats:
     jaxpr, reads = _interpreter.prune(
-        _make_jaxpr([], graph.jaxpr.invars, leaf_stats,
-                    [eqns[k] for k in sorted(graph.ancestors(leaf_stats))]),
+        _interpreter.new_jaxpr(graph.jaxpr.invars, leaf_stats,
+                               [eqns[k] for k in sorted(graph.ancestors(leaf_stats))],
+                               like=graph.jaxpr),
         [True] * len(leaf_stats))
     stat_jaxprs.append(jaxpr)
     stat_reads.append(tuple(reads))
@@ -286,8 +282,9 @@ def _stats_plan(graph: _Graph, c: int, n: int, global_outvars: Sequence,
   combine_eqns = [e.replace(invars=[rename(v) for v in e.invars])
                   for k, e in enumerate(eqns) if k in live]
   combine, combine_reads = _interpreter.prune(
-      _make_jaxpr([], [*graph.jaxpr.invars, *stat_invars],
-                  [rename(v) for v in global_outvars], combine_eqns),
+      _interpreter.new_jaxpr([*graph.jaxpr.invars, *stat_invars],
+                             [rename(v) for v in global_outvars], combine_eqns,
+                             like=graph.jaxpr),
       [True] * len(global_outvars))
   if any(combine_reads[c:c + n]):
     raise NonSeparableError(
@@ -372,7 +369,7 @@ def make_global_plan(tx: optax.GradientTransformation, params, state,
     groups.append(LeafGroup(i, group_outs, jaxpr, tuple(reads), any(reads[c:c + n])))
   global_outvars = [*cuts, *(outs[n + k] for k in global_outs)]
   global_jaxpr, global_reads = _interpreter.prune(
-      _make_jaxpr([], flat.invars, global_outvars, flat.eqns),
+      _interpreter.new_jaxpr(flat.invars, global_outvars, flat.eqns, like=flat),
       [True] * len(global_outvars))
   shared_jaxpr, shared_reads = _interpreter.prune(flat, [False] * n + [k in shared_outs
                                                                   for k in range(m)])
