@@ -70,6 +70,7 @@ def test_offload_state_trains_like_optax_with_the_state_in_host_memory():
   assert example.train_check(steps=3) < TOL
 
 
+@pytest.mark.slow  # TPU and GPU compiles, which the tests' compilation cache cannot serve
 def test_low_bit_memory_link_bytes_drop_with_the_state_bits_and_the_clip_table_is_complete():
   example = _load("low_bit_memory")
   rows = [example.measure("tiny", "cpu", "backward + offload", bits, example.HIDE_STEPS)

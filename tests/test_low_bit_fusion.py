@@ -64,8 +64,9 @@ def _run(fx, loss, params, steps, microbatches=None):
   return losses, fx.flush(p, s)[0] if hasattr(fx, "flush") else p
 
 
-# One case a bit width, layout and second optimizer by default; the rest with ``-m slow``.
-DEFAULT = {("adamw_8bit", "axis0"), ("adamw_4bit", "axis1"), ("lion_8bit", "axis0")}
+# One case a bit width and layout by default (Lion and SGD by default in the offload test); the
+# rest with ``-m slow``.
+DEFAULT = {("adamw_8bit", "axis0"), ("adamw_4bit", "axis1")}
 CASES = [pytest.param(opt, model, mode, marks=() if (opt, model) in DEFAULT else pytest.mark.slow)
          for opt in sorted(OPTIMIZERS) for model in sorted(MODELS)
          for mode in ("off", "backward", "forward", "two_pass")]
