@@ -43,3 +43,4 @@ import jax  # noqa: E402  (after the environment above)
 jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+

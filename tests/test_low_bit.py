@@ -161,6 +161,18 @@ def test_min_size_zero_quantizes_every_float_slot_but_scalars():
   assert state.hyperparams["learning_rate"].shape == ()
 
 
+def test_hyperparameters_in_the_state_are_kept_as_they_are_at_any_size():
+  """An array hyperparameter shaped like a param (here a per-column learning rate) would pass
+  the shape check: the default slot map keeps it, as it keeps Muon's ``ns_coeffs``
+  (tests/test_muon.py)."""
+  params = {"w": jnp.ones((3, 5)), "b": jnp.ones((5,))}
+  rate = jnp.linspace(1e-3, 1e-2, 5)
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=rate, momentum=0.9)
+  state = optfuse.low_bit(tx, bits=8, min_size=0).init(params)
+  np.testing.assert_array_equal(np.asarray(state.hyperparams["learning_rate"]), np.asarray(rate))
+  assert isinstance(state.inner_state[0].trace["b"], optfuse.QuantizedSlot)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(bits=3), "bits=8 or bits=4"),
     (dict(bits=16), "bits=8 or bits=4"),
