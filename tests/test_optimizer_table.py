@@ -1,0 +1,67 @@
+"""The optimizer table of docs/modes.md says only what the suite checks.
+
+Its first row names the optimizers whose stacked leaves are updated row by row inside the
+backward loop, "and their ``optfuse.low_bit`` forms". This test reads that row from the page and
+checks, for every optimizer it names, plain and in 8-bit form, that ``describe`` places the
+scanned model's stacked leaves in the loop: a name added to the page without a case here fails,
+and so does an optimizer whose placement changes. That each one trains like optax is checked
+elsewhere (``test_backward_equivalence.py``, 50 steps each, plain forms; the low-bit forms the
+page names as trained against the unfused low-bit step, in ``test_low_bit_fusion.py``,
+``test_low_bit.py`` and ``test_muon.py``).
+"""
+
+import re
+from pathlib import Path
+
+import optax
+import pytest
+
+import optfuse
+from tests import models
+
+PAGE = Path(__file__).parent.parent / "docs" / "modes.md"
+LR = 1e-2
+
+# Every optimizer of the table's elementwise row, as the row names it.
+ELEMENTWISE = {
+    "sgd": lambda: optax.sgd(LR, momentum=0.9),
+    "adam": lambda: optax.adam(LR),
+    "adamw": lambda: optax.adamw(LR, weight_decay=1e-2),
+    "nadamw": lambda: optax.nadamw(LR),
+    "adamax": lambda: optax.adamax(LR),
+    "amsgrad": lambda: optax.amsgrad(LR),
+    "adabelief": lambda: optax.adabelief(LR),
+    "adagrad": lambda: optax.adagrad(LR),
+    "adadelta": lambda: optax.adadelta(1.0),
+    "rmsprop": lambda: optax.rmsprop(LR),
+    "lion": lambda: optax.lion(1e-3),
+    "radam": lambda: optax.radam(LR),
+    "yogi": lambda: optax.yogi(LR),
+    "adan": lambda: optax.adan(LR),
+    "contrib.schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(LR, warmup_steps=5),
+}
+STACKED = ("['layers']['b']", "['layers']['w']")
+
+
+def _elementwise_row() -> list[str]:
+  """The optimizers the table's first row names, before "their ``optfuse.low_bit`` forms"."""
+  (row,) = [line for line in PAGE.read_text().splitlines()
+            if line.startswith("| sgd,") and "elementwise" in line]
+  names = row.split("|")[1].split(", their")[0]
+  return [name.strip().strip("`") for name in names.split(",")]
+
+
+def test_the_page_names_exactly_the_optimizers_checked_here():
+  assert _elementwise_row() == list(ELEMENTWISE)
+  assert re.search(r"their `optfuse\.low_bit` forms", PAGE.read_text())
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_each_elementwise_optimizer_updates_stacked_leaves_in_the_loop(name, bits):
+  tx = ELEMENTWISE[name]()
+  if bits:
+    tx = optfuse.low_bit(tx, bits, min_size=0)
+  params, (tokens, targets) = models.stacked_params(layers=8), models.tied_lm_batches()[0]
+  placed = optfuse.describe(tx, models.scanned_loss, params, tokens, targets)
+  assert {path: placed[path] for path in STACKED} == dict.fromkeys(STACKED, "loop"), placed.reasons
