@@ -177,12 +177,6 @@ def inner_jaxprs(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
   return found
 
 
-def bind_params(eqn: jcore.JaxprEqn) -> dict[str, Any]:
-  """The params ``eqn``'s primitive binds with: every equation optfuse binds as it was staged
-  takes its params here (``bind``)."""
-  return eqn.primitive.get_bind_params(eqn.params)
-
-
 def bind(eqn: jcore.JaxprEqn, ins: Sequence[Any], params: Mapping[str, Any] | None = None
          ) -> list[Any]:
   """``eqn``'s primitive applied to ``ins`` under the equation's context (named scopes, compute
@@ -191,11 +185,13 @@ def bind(eqn: jcore.JaxprEqn, ins: Sequence[Any], params: Mapping[str, Any] | No
   Args:
     eqn: the equation.
     ins: one value per invar.
-    params: the params to bind with (a row rule's rewrite); by default ``bind_params(eqn)``.
+    params: the staged params to bind with (a row rule's rewrite); by default the equation's.
+      The primitive's ``get_bind_params`` turns them into what it binds with, as
+      ``jax.core.eval_jaxpr`` does.
   """
-  params = bind_params(eqn) if params is None else params
+  params = eqn.params if params is None else params
   with eqn.ctx.manager:
-    outs = eqn.primitive.bind(*ins, **params)
+    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
   return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
@@ -424,7 +420,9 @@ def consts_as_inputs(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
 
 def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
   """Evaluates ``jaxpr`` on ``args`` (one per invar), sharing scalar equations inside
-  ``shared_scalars``; every equation is bound through ``bind``."""
+  ``shared_scalars``."""
+  if not _memos():
+    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args)
   with jax.debug_nans(False):  # as ``jaxpr_as_fun``: ops that handle NaNs inside stay quiet
     return _SharedEvaluator().run(jaxpr, consts, args)
 
