@@ -9,7 +9,10 @@ Every walk over a jaxpr (the dependency analysis here, the row evaluator ``_rows
 ``Interpreter``: one evaluation skeleton with rules in a table keyed by primitive objects.
 ``CALL_PRIMITIVES`` is the one table of call-like primitives; a wrapper JAX adds later is one
 entry there. This is the only module that touches ``jax._src``, and the one place that knows how
-JAX versions differ in the equations they stage (docs/limits.md, "JAX versions").
+JAX versions differ in the equations they stage (docs/limits.md, "JAX versions"): every other
+module asks ``primitive_of`` which rules apply to an equation, and ``scan_parts``,
+``while_parts``, ``cond_branches``, ``call_body`` and ``inner_jaxprs`` for its counts and bodies
+(``tests/test_architecture.py`` checks that no other module reads those params).
 """
 
 from __future__ import annotations
