@@ -14,6 +14,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu lets one process at a time hold it unless told that compile-only sharing is fine.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# A row rule's own error (anything but ``NotRowwise``) refuses its leaf in a user's run, which is
+# then updated after the loop (``optfuse._jaxpr._row_params.run_rule``); the tests see it raised.
+os.environ.setdefault("OPTFUSE_RAISE_ROW_RULE_ERRORS", "1")
 # The tests check that fused and unfused steps compute the same thing and hold the same buffers,
 # never how fast the code runs: LLVM's optimisation level changes neither the HLO nor XLA's
 # buffer assignment (``memory_analysis()``), and without it XLA:CPU compiles about a third
