@@ -43,7 +43,7 @@ class Optimizer(nnx.Optimizer[M]):
     options: the ``optfuse.FuseOptions`` of the constructor; ``mode``, ``global_ops``,
       ``guard`` and ``offload`` read them. With ``offload="state"`` the slots of ``opt_state``
       live in ``pinned_host`` memory, streamed through the fused step (see ``optfuse.fuse``).
-    fused: the ``optfuse.fuse(tx, mode, global_ops, offload, guard)`` transformation; it
+    fused: the ``optfuse.fuse(tx, options=options)`` transformation; it
       caches the update plans.
 
   Examples:
@@ -70,16 +70,21 @@ class Optimizer(nnx.Optimizer[M]):
   """
 
   def __init__(self, model: M, tx: optax.GradientTransformation, *,
-               wrt: filterlib.Filter = nnx.Param, mode: str = "backward",
-               global_ops: str | None = None, guard: bool = False,
-               offload: str | None = None, graph: bool | None = None):
+               wrt: filterlib.Filter = nnx.Param, options: FuseOptions | None = None,
+               mode: str | None = None, global_ops: str | None = None,
+               guard: bool | None = None, offload: str | None = None,
+               graph: bool | None = None):
     """Builds the optimizer state of the ``wrt`` variables of ``model``.
+
+    The options are one ``FuseOptions``, as ``optfuse.fuse`` takes them: ``options=``, or the
+    keywords, a shorthand that builds it (a keyword left at ``None`` is not given).
 
     Args:
       model: the NNX module to train.
       tx: the optax transformation.
       wrt: filter of the variables to train (as for ``nnx.Optimizer`` and ``nnx.grad``).
-      mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
+      options: the ``FuseOptions`` of the optimizer's steps, in place of the keywords.
+      mode: "backward" (default), "forward" or "off" (see ``optfuse.fuse``).
       global_ops: ``"two_pass"`` lets backward mode run global transforms such as
         ``clip_by_global_norm`` (see ``optfuse.fuse``).
       guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
@@ -94,8 +99,9 @@ class Optimizer(nnx.Optimizer[M]):
       OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with
         ``global_ops``.
       GuardError: ``guard`` is ``True`` outside backward mode.
+      OptionsError: ``options`` is given with a keyword that contradicts it.
     """
-    fused = fuse(tx, mode, global_ops, offload, guard)
+    fused = fuse(tx, mode, global_ops, offload, guard, options=options)
     # nnx.Optimizer.__init__ would build the state with tx.init; the fused transformation's init
     # gives the layout of its mode, so the attributes are set here as nnx.Optimizer sets them.
     self.graph = graph
