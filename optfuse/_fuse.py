@@ -30,7 +30,9 @@ class FusedTransformation(NamedTuple):
     value_and_update: ``value_and_update(loss_fn, has_aux=False, *, microbatches=None) -> step``
       where ``step(params, state, *args, **kwargs) -> (value, params, state)``. With
       ``microbatches=k`` every array argument is split along its leading axis into ``k``
-      microbatches whose mean gradient makes one update (the mean loss is returned).
+      microbatches whose mean gradient makes one update (the mean loss is returned); it raises
+      ``MicrobatchError`` for a ``k`` that is not a positive int, and ``GuardError`` for
+      ``k > 1`` with ``guard=True`` (``FuseOptions.check_microbatches``).
     flush: ``flush(params, state) -> (params, state)``; applies a pending forward-mode update,
       identity in the other modes.
     tx: the wrapped optax transformation.
