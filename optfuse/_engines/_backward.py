@@ -10,6 +10,7 @@ and the update of the sum follows the loop over microbatches (``_accumulate.fuse
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import jax
@@ -33,9 +34,9 @@ class BackwardEngine:
   def __init__(self, tx: optax.GradientTransformation, options: FuseOptions):
     self.tx, self.options = tx, options
     self.plans = _GuardedPlans(PlanCache(self.make_plan))
-    # The memory guard's decisions: (loss, has_aux, microbatches, input shapes) -> the fused
-    # leaves it taps, with why.
-    self.decisions: dict[tuple, dict[int, str]] = {}
+    # The memory guard's decisions: loss -> (has_aux, microbatches, input shapes) -> the fused
+    # leaves it taps, with why; kept while the loss lives (an NNX step's loss is new per trace).
+    self.decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def make_plan(self, params, state) -> Plan:
     return _make.make_plan(self.tx, params, state)
@@ -69,21 +70,27 @@ class BackwardEngine:
   def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
     inner = self.unchecked(loss_fn, has_aux, microbatches)
     if self.options.guard:
-      inner = self.guarded(inner, (loss_fn, has_aux, microbatches))
+      inner = self.guarded(inner, loss_fn, (has_aux, microbatches))
     return _checks.checked_step(self.tx, inner)
 
-  def guarded(self, inner: PlacedStep, key: tuple) -> PlacedStep:
+  def guarded(self, inner: PlacedStep, loss_fn: Callable, key: tuple) -> PlacedStep:
     """``inner`` with the fused leaves the memory guard taps (``_guard``), decided once per
-    step (``key``: its loss, ``has_aux`` and microbatches) and input shapes, for every step the
-    engine builds: a step traced again (``describe``'s trace) compiles nothing more."""
-    loss_fn = key[0]
+    step (``loss_fn``, and ``key``: its ``has_aux`` and microbatches) and input shapes, for
+    every step the engine builds: a step traced again (``describe``'s trace) compiles nothing
+    more."""
+
+    own: dict = {}  # for a loss that takes no weak reference: this step's decisions alone
 
     def step(params, state, *args, **kwargs):
+      try:
+        decisions = self.decisions.setdefault(loss_fn, {})
+      except TypeError:
+        decisions = own
       shapes = (*key, _guard.shapes_key(params, state, args, kwargs))
-      if shapes not in self.decisions:
+      if shapes not in decisions:
         loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-        self.decisions[shapes] = self.decide(inner, loop_plan, params, state, args, kwargs)
-      with self.plans.refusing(self.decisions[shapes]):
+        decisions[shapes] = self.decide(inner, loop_plan, params, state, args, kwargs)
+      with self.plans.refusing(decisions[shapes]):
         return inner(params, state, *args, **kwargs)
 
     return step
