@@ -132,27 +132,26 @@ def test_describe_and_the_memory_reports_accept_and_refuse_what_the_table_says(c
   params, batch = models.stacked_params(), _batch()
   options = _as_the_table_says({**combo, "microbatches": None},
                                lambda: optfuse.FuseOptions(**_options_of(combo)))
-  if options is None:
-    return
-  _as_the_table_says(combo, lambda: optfuse.describe(
-      _tx(options), models.scanned_loss, params, *batch, options=options,
-      microbatches=microbatches))
-  # Both reports compile every mode with the options in that mode (``FuseOptions.for_mode``).
-  every_mode = {mode: (options.for_mode(mode), microbatches) for mode in _memory.MODES}
+  if options is not None:
+    _as_the_table_says(combo, lambda: optfuse.describe(
+        _tx(options), models.scanned_loss, params, *batch, options=options,
+        microbatches=microbatches))
   args_for = lambda b: tuple(jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype) for x in batch)
   reports = {"memory_report": lambda **o: optfuse.memory_report(
                  models.scanned_loss, LION, params, *batch, microbatches=microbatches, **o),
              "max_batch_size": lambda **o: optfuse.max_batch_size(
                  models.scanned_loss, LION, params, args_for, 10**5, microbatches=microbatches,
                  max_batch=8, progress=False, **o)}
+  given = [] if options is None else [{"options": options}]
+  if combo["mode"] == "backward":  # the keywords are backward mode's options
+    given.append({k: combo[k] for k in ("global_ops", "offload", "guard")})
   for name, report in reports.items():
-    given = [{"options": options}]
-    if options.mode == "backward":  # the keywords are backward mode's options
-      given.append({k: getattr(options, k) for k in ("global_ops", "offload", "guard")})
     for kwargs in given:
       compiled.clear()
       if _as_the_table_says(combo, lambda r=report, o=kwargs: r(**o)) is not None:
-        assert compiled == every_mode, name
+        # Both compile every mode with the options in that mode (``FuseOptions.for_mode``).
+        assert compiled == {mode: (options.for_mode(mode), microbatches)
+                            for mode in _memory.MODES}, name
 
 
 def test_every_entry_point_refuses_options_given_twice_that_disagree(monkeypatch):
