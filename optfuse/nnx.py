@@ -26,6 +26,7 @@ from flax.nnx.training import optimizer as nnx_optimizer
 
 from optfuse._base import _leaves, _memory_spaces
 from optfuse._base._checks import check_loss
+from optfuse._base._errors import MicrobatchError
 from optfuse._base._options import FuseOptions
 from optfuse._fuse import fuse
 
@@ -179,7 +180,7 @@ class Optimizer(nnx.Optimizer[M]):
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
 
   def value_and_update(self, model: M, loss_fn: Callable, *args, has_aux: bool = False,
-                       **kwargs) -> Any:
+                       microbatches: None = None, **kwargs) -> Any:
     """One fused training step, updating ``model`` and the optimizer in place.
 
     Args:
@@ -190,11 +191,23 @@ class Optimizer(nnx.Optimizer[M]):
         back.
       *args: the other positional arguments of ``loss_fn`` (arrays, ``nnx.Rngs``, modules...).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      microbatches: ``None``; a reserved keyword, not passed to ``loss_fn``: the NNX step takes
+        no microbatches (the model's variables travel with its arguments, which a microbatch
+        split would cut).
       **kwargs: keyword arguments of ``loss_fn``.
 
     Returns:
       The loss, or ``(loss, aux)`` with ``has_aux``, at the params before the update.
+
+    Raises:
+      MicrobatchError: ``microbatches`` is given.
     """
+    if microbatches is not None:
+      raise MicrobatchError(
+          f"optfuse.nnx.Optimizer takes no microbatches (got microbatches={microbatches!r}): the "
+          "model's variables (BatchNorm statistics, RNG counters) travel with the step's "
+          "arguments, which a microbatch split would cut. Use optfuse.linen.TrainState or "
+          "optfuse.fuse(tx).value_and_update(loss_fn, microbatches=k) on nnx.split's params.")
     trained = filterlib.to_predicate(self.wrt)
 
     def in_model_and_trained(path, value) -> bool:

@@ -96,10 +96,15 @@ def test_train_step_and_the_flax_adapters_accept_and_refuse_what_the_table_says(
                                                        microbatches=microbatches)[0], state)
 
   _as_the_table_says(combo, linen_step)
-  # The NNX optimizer takes no microbatches (its variables travel with the arguments).
-  without = {**combo, "microbatches": None}
-  _as_the_table_says(without, lambda: optfuse.nnx.Optimizer(
-      nnx.Linear(2, 2, rngs=nnx.Rngs(0)), LION, **keywords))
+  # The NNX optimizer takes the options as the table says, and no microbatches (its variables
+  # travel with the arguments): a named refusal whatever the options.
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  optimizer = _as_the_table_says({**combo, "microbatches": None},
+                                 lambda: optfuse.nnx.Optimizer(model, LION, **keywords))
+  if optimizer is not None and microbatches is not None:
+    with pytest.raises(optfuse.MicrobatchError, match="takes no microbatches"):
+      optimizer.value_and_update(model, lambda m: m(jax.numpy.ones((1, 2))).sum(),
+                                 microbatches=microbatches)
 
 
 def _compiled_options(monkeypatch) -> dict:
