@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from optfuse._base import _memory_spaces
-from optfuse._engines._engine import Engine, Step
+from optfuse._engines._engine import Engine, PlacedStep
 
 
 class OffloadEngine:
@@ -34,7 +34,7 @@ class OffloadEngine:
   def init(self, params):
     return _memory_spaces.state_to_host(self.engine.init(params))
 
-  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
     inner = self.engine.step(loss_fn, has_aux, microbatches)
 
     def step(params, state, *args, **kwargs):
@@ -42,8 +42,8 @@ class OffloadEngine:
       if not self.whole:
         return inner(params, state, *args, **kwargs)
       on_device = _memory_spaces.tree_to_device(state)
-      value, params, new_state = inner(params, on_device, *args, **kwargs)
-      return value, params, _memory_spaces.tree_like(new_state, state)
+      (value, params, new_state), placed = inner(params, on_device, *args, **kwargs)
+      return (value, params, _memory_spaces.tree_like(new_state, state)), placed
 
     return step
 
@@ -51,6 +51,3 @@ class OffloadEngine:
     # Forward mode's flush starts a new pending gradient (zeros): it goes to the host too.
     params, state = self.engine.flush(params, state)
     return params, _memory_spaces.state_to_host(state)
-
-  def placements(self, loss_fn, params, state, args, kwargs):
-    return self.engine.placements(loss_fn, params, state, args, kwargs)
