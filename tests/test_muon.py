@@ -168,8 +168,8 @@ def test_backward_fused_muon_trains_like_optax_over_20_steps(layer_axis):
   chex.assert_trees_all_close(got[:2], want[:2], rtol=RTOL, atol=ATOL)
 
 
-def _run(fx, microbatches=None, params=None):
-  params = decoder_params() if params is None else params
+def _run(fx, microbatches=None):
+  params = decoder_params()
   step = fx.value_and_update(decoder_loss, microbatches=microbatches)
   losses, params, state = models.run_steps(step, params, fx.init(params), _batches(), 20)
   return losses, (fx.flush(params, state)[0] if hasattr(fx, "flush") else params), state
