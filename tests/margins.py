@@ -3,9 +3,10 @@
 For each criterion of ``tests/test_fault_rejection.py`` (and FSDP on eight simulated devices,
 from ``tests/_sharding_worker.py``), prints the criterion's distance in units of its tolerance
 for the passing fused run (at most 1 passes) and for the fused run of each injected error
-(``tests/faults.py``). The tests run at ``--xla_backend_optimization_level=0``
-(``tests/conftest.py``); set ``XLA_FLAGS`` to measure at that level, leave it unset for XLA's
-default.
+(``tests/faults.py``); then the widest passing distance over the optimizers of
+``tests/test_backward_equivalence.py`` and ``tests/test_forward.py``. The tests run at
+``--xla_backend_optimization_level=0`` (``tests/conftest.py``); set ``XLA_FLAGS`` to measure at
+that level, leave it unset for XLA's default.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tests import criteria, faults, test_fault_rejection, test_sharding  # noqa: E402
+import optfuse  # noqa: E402
+from tests import (  # noqa: E402
+    criteria,
+    faults,
+    models,
+    test_backward_equivalence,
+    test_fault_rejection,
+    test_forward,
+    test_sharding,
+)
 
 COLUMNS = ("passing", *faults.faults(lambda path: True))
 
@@ -37,6 +47,24 @@ def fsdp_margins() -> dict[str, tuple[float, float]]:
           for column, impl in zip(COLUMNS, ("backward", *test_sharding.worker.FAULTED))}
 
 
+def optimizer_margins(mode: str) -> tuple[float, str]:
+  """The widest float32 distance (in units of the tolerance the tests use) over the optimizers
+  that ``mode``'s equivalence tests train on ``models.tied_lm`` for 50 steps, and its
+  optimizer."""
+  params, batches = models.tied_lm_params(), models.tied_lm_batches()
+  module = test_backward_equivalence if mode == "backward" else test_forward
+  tol = {} if mode == "backward" else test_forward.TOL
+  worst = (0.0, "")
+  for name, make in module.OPTIMIZERS.items():
+    want = models.run_optax(make(), params, batches, module.STEPS)
+    if mode == "backward":
+      got = models.run_fused(make(), mode, params, batches, module.STEPS)
+    else:
+      got = test_forward.train(optfuse.fuse(make(), mode=mode), params, batches, module.STEPS)
+    worst = max(worst, (criteria.matches_optax_distance(got, want, **tol)[0], name))
+  return worst
+
+
 def main() -> None:
   rows = {name: criteria.margins(make(), faults.faults(make().stacked))
           for name, (make, _) in test_fault_rejection.CRITERIA.items()}
@@ -47,6 +75,10 @@ def main() -> None:
   for name, row in rows.items():
     cells = (f"{row[c][0]:.3g} / {row[c][1]:.3g}" for c in COLUMNS)
     print(f"{name:<18}" + "".join(f"{cell:>22}" for cell in cells))
+  for mode in ("backward", "forward"):
+    distance, name = optimizer_margins(mode)
+    print(f"widest passing distance of the {mode} equivalence tests' optimizers: "
+          f"{distance:.3g} ({name})")
 
 
 if __name__ == "__main__":
