@@ -10,6 +10,8 @@ and every primitive in the updates of the optimizers the tests use, bodies inclu
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,7 +272,8 @@ def test_a_primitive_without_a_row_rule_raises_no_row_rule_naming_it():
 
 # The optimizers the tests train, and Muon with the stacked axis a batch axis of its matrices.
 UPDATES = {**test_backward_equivalence.OPTIMIZERS,
-           **{f"low_bit_{k}": v for k, v in test_low_bit_fusion.OPTIMIZERS.items()},
+           **{f"low_bit_{k}": functools.partial(test_low_bit_fusion.low_bit_tx, k)
+              for k in test_low_bit_fusion.INNER},
            "muon_stacked": lambda: optax.contrib.muon(
                1e-2, muon_weight_dimension_numbers=lambda p: jax.tree.map(
                    lambda x: optax.contrib.MuonDimensionNumbers(x.ndim - 2, x.ndim - 1)
