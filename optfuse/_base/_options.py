@@ -15,7 +15,7 @@ from optfuse._base._errors import GuardError, OffloadError, UnknownModeError
 # What each option accepts.
 MODES = ("backward", "forward", "off")
 GLOBAL_OPS = (None, "two_pass")
-OFFLOADS = (None, "state")
+OFFLOADS = (None, "state", "params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,13 +29,14 @@ class FuseOptions:
   Attributes:
     mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
     global_ops: ``None`` or ``"two_pass"``.
-    offload: ``None`` or ``"state"``.
+    offload: ``None``, ``"state"`` or ``"params"``.
     guard: whether backward mode keeps only the loops that lower the compiled peak.
 
   Raises:
     UnknownModeError: ``mode`` is not "backward", "forward" or "off", or ``global_ops`` is not
       ``None`` or "two_pass".
-    OffloadError: ``offload`` is not ``None`` or "state", or is given with ``global_ops``.
+    OffloadError: ``offload`` is not ``None``, "state" or "params", or is given with
+      ``global_ops``, or is "params" in mode "off".
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
 
   Examples:
@@ -67,15 +68,21 @@ class FuseOptions:
 
   def _check_offload(self) -> None:
     if self.offload not in OFFLOADS:
-      raise OffloadError(f'unknown offload {self.offload!r}; use None or "state".')
+      raise OffloadError(
+          f'unknown offload {self.offload!r}; use None, "state" or "params".')
+    if self.offload == "params" and self.mode == "off":
+      raise OffloadError(
+          'offload="params" streams params through the fused loops of modes "backward" and '
+          '"forward", and mode="off" has none. Use offload="state" (or a fused mode).')
     if self.offload is None or self.global_ops is None:
       return
     if self.mode == "forward":  # forward fusion runs global transforms without global_ops
       raise OffloadError(
-          f'offload="state" runs without global_ops, and mode="forward" needs none: it runs '
-          f'global transforms exactly, with the pending gradient streamed too. Drop '
+          f'offload={self.offload!r} runs without global_ops, and mode="forward" needs none: it '
+          f'runs global transforms exactly, with the pending gradient streamed too. Drop '
           f'global_ops={self.global_ops!r}.')
     raise OffloadError(
-        f'offload="state" runs in modes "backward", "forward" and "off" without global_ops, not '
-        f'in mode={self.mode!r} with global_ops={self.global_ops!r}. For global clipping with '
-        'offloaded state use mode="forward", which streams the pending gradient too.')
+        f'offload={self.offload!r} runs in modes "backward" and "forward" (and "state" in "off") '
+        f'without global_ops, not in mode={self.mode!r} with global_ops={self.global_ops!r}. For '
+        'global clipping with offloaded state use mode="forward", which streams the pending '
+        'gradient too.')
