@@ -15,6 +15,7 @@ import jax
 
 from optfuse._analysis._describe import describe
 from optfuse._base import _memory_spaces
+from optfuse._targets import _inputs, _registry
 
 
 def params_to_host(fx, loss_fn: Callable, params, *args, **kwargs):
@@ -43,12 +44,25 @@ def params_to_host(fx, loss_fn: Callable, params, *args, **kwargs):
     >>> jax.tree.map(lambda x: x.sharding.memory_kind, params)
     {'embed': 'device', 'layers': 'pinned_host'}
   """
-  params = params_to_device(params)
+  return _placed(fx, loss_fn, params_to_device(params), args, kwargs, _memory_spaces.to_host)
+
+
+def abstract_params_on_host(fx, loss_fn: Callable, params, args: tuple, kwargs: dict,
+                            target: _registry.Target | None):
+  """``params_to_host`` for ``jax.ShapeDtypeStruct`` params placed on ``target`` (``None``:
+  this machine's backend), as ``memory_report`` lowers a step: each leaf in host memory laid
+  out as ``_inputs.offloaded_on`` lays out the offloaded state."""
+  return _placed(fx, loss_fn, params, args, kwargs,
+                 lambda x: _inputs.offloaded_on(x, target))
+
+
+def _placed(fx, loss_fn: Callable, params, args: tuple, kwargs: dict, to_host: Callable):
+  """``params`` with the leaves ``fx``'s step updates in a fused loop moved by ``to_host``,
+  when ``fx.offload == "params"``."""
   if fx.offload != "params":
     return params
-  where = describe(fx, loss_fn, params, *args, **kwargs)
-  place = lambda path, x: (_memory_spaces.to_host(x) if where.get(jax.tree_util.keystr(path))
-                           == "loop" else x)
+  where = describe(fx, loss_fn, params, *args, **kwargs).params
+  place = lambda path, x: to_host(x) if where.get(jax.tree_util.keystr(path)) == "host" else x
   return jax.tree_util.tree_map_with_path(place, params)
 
 
