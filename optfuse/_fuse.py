@@ -56,7 +56,7 @@ class FusedTransformation(NamedTuple):
 
   @property
   def offload(self) -> str | None:
-    """``None`` or ``"state"``."""
+    """``None``, ``"state"`` or ``"params"``."""
     return self.options.offload
 
   @property
@@ -104,8 +104,11 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
       streams them through the device: one row per fused loop iteration, prefetched an
       iteration ahead, and each tapped leaf's slots whole at its tap. Forward mode keeps the
       pending gradient there too and streams both into its forward loop (global clipping
-      included). Mode "off" fetches the whole state for optax's update. ``None`` (default): the
-      state lives on the device.
+      included). Mode "off" fetches the whole state for optax's update. ``"params"``: the
+      state as with ``"state"``, and the param stacks the fused loops update too (backward and
+      forward modes): each layer's rows are fetched for its forward and its backward iteration
+      and the new rows written back to the host there; place the params with
+      ``optfuse.params_to_host``. ``None`` (default): the state lives on the device.
     guard: backward mode only. ``True``: the first trace of the step for given input shapes
       compiles it twice more (every loop fused; every fused leaf tapped; with several fused
       scans, once more per scan) for the platform it is traced for, and keeps the placement
@@ -120,7 +123,8 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
   Raises:
     UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
       not ``None`` or "two_pass".
-    OffloadError: ``offload`` is not ``None`` or "state", or is given with ``global_ops``.
+    OffloadError: ``offload`` is not ``None``, "state" or "params", or is given with
+      ``global_ops``, or is "params" in mode "off".
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
 
   Examples:

@@ -41,6 +41,8 @@ INVALID = [
      "global_ops='two_pass'.*use mode=\"forward\""),
     ({"mode": "forward", "global_ops": "two_pass", "offload": "state"}, optfuse.OffloadError,
      "Drop global_ops='two_pass'"),
+    ({"mode": "off", "offload": "params"}, optfuse.OffloadError,
+     'mode="off" has none. Use offload="state"'),
     ({"guard": "yes"}, optfuse.GuardError, "guard must be True or False, not 'yes'"),
     ({"guard": 1}, optfuse.GuardError, "guard must be True or False, not 1"),
     ({"mode": "forward", "guard": True}, optfuse.GuardError, "guard=True .* not mode='forward'"),
