@@ -110,8 +110,8 @@ def _trace_loss(loss_fn, params_def, param_leaves, args, kwargs):
   dyn = [a for a, d in zip(arg_leaves, dynamic) if d]
   # A host-resident stack (``offload="params"``) is traced as the device value each of its rows
   # becomes in the loop that reads it (``_row_buffers.row_at``).
-  traced = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) if is_host(p) else p
-            for p in param_leaves]
+  traced = [jax.ShapeDtypeStruct(p.shape, p.dtype, weak_type=jax.typeof(p).weak_type)
+            if is_host(p) else p for p in param_leaves]
   closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(traced, dyn)
   return closed, jax.tree.structure(out_shape), dynamic
 
