@@ -162,6 +162,26 @@ def test_low_bit_state_and_muon_stream_their_params_like_the_state_only_offload(
                               **TOL)
 
 
+@pytest.mark.slow
+def test_a_jitted_flush_keeps_the_streamed_params_in_host_memory_and_training_follows_optax():
+  params, batches, loss = _scanned()
+  tx = OPTIMIZERS["clip+adamw"]()
+  fx = optfuse.fuse(tx, mode="forward", offload="params")
+  step = jax.jit(fx.value_and_update(loss), donate_argnums=(0, 1))
+  flush = jax.jit(fx.flush, donate_argnums=(0, 1))
+  p, s, losses = _placed(fx, params, batches, loss), fx.init(models.copy(params)), []
+  for t in range(6):
+    if t == 3:  # an evaluation in the middle of training
+      p, s = flush(p, s)
+      assert _memory_kinds(p)["layers"]["w"] == "pinned_host"
+    loss_t, p, s = step(p, s, *batches[t % len(batches)])
+    losses.append(loss_t)
+  want = models.run_optax(tx, params, batches, 6, loss_fn=loss)
+  chex.assert_trees_all_close(
+      jax.tree.map(np.asarray, (jnp.stack(losses), *optfuse.to_optax_state(fx, p, s))),
+      jax.tree.map(np.asarray, want), **TOL)
+
+
 def test_a_device_resident_loop_stack_is_refused_and_params_to_host_places_it():
   params, batches, loss = _scanned()
   fx = optfuse.fuse(optax.adamw(1e-2), offload="params")
