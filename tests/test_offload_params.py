@@ -252,30 +252,41 @@ def test_orbax_resume_of_streamed_params_continues_the_same_trajectory(tmp_path)
                               jax.tree.map(np.asarray, straight[1:]), **TOL)
 
 
-# About 20 s: a subprocess on eight simulated devices compiles optax and both fused modes and
-# trains each 20 steps.
+# About 40 s: a subprocess on eight simulated devices compiles optax and both fused modes on
+# two layouts and trains each 20 steps.
 @pytest.mark.slow
-def test_fsdp_sharded_streamed_params_train_like_optax_on_the_same_mesh(tmp_path):
-  root = pathlib.Path(__file__).resolve().parent.parent
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
-  proc = subprocess.run([sys.executable, str(root / "tests" / "_params_fsdp_worker.py"),
-                         str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  report = json.loads((tmp_path / "report.json").read_text())
-  arrays = dict(np.load(tmp_path / "results.npz"))
-  want = {k.removeprefix("optax/"): v for k, v in arrays.items() if k.startswith("optax/")}
+@pytest.mark.parametrize("layout", ["fsdp", "data_parallel"])
+def test_sharded_streamed_params_train_like_optax_on_the_same_mesh(layout, sharded_runs):
+  report, arrays = sharded_runs
+  prefix = lambda impl: f"{layout}/{impl}/"
+  want = {k.removeprefix(prefix("optax")): v for k, v in arrays.items()
+          if k.startswith(prefix("optax"))}
   for mode in ("backward", "forward"):
-    got = {k.removeprefix(f"{mode}/"): v for k, v in arrays.items() if k.startswith(f"{mode}/")}
+    got = {k.removeprefix(prefix(mode)): v for k, v in arrays.items()
+           if k.startswith(prefix(mode))}
     assert sorted(got) == sorted(want)
     for key in want:  # the same mesh and collectives: only XLA's fusion of the update differs
       np.testing.assert_allclose(got[key], want[key], err_msg=f"{mode} {key}", **TOL)
-    # Each host stack keeps its FSDP sharding, and the step gathers nothing optax does not.
-    assert report[mode]["resharded"] == []
-    assert (collections.Counter(report[mode]["all_gathers"])
-            - collections.Counter(report["optax"]["all_gathers"])) == collections.Counter()
-    assert report[mode]["memory_kinds"]["blocks"] == {"w": "pinned_host", "b": "pinned_host"}
-    assert report[mode]["memory_kinds"]["embed"] == {"w": "device", "b": "device"}
+    # Each host stack keeps its sharding, and the step gathers nothing optax does not.
+    ran, optax_ran = report[f"{layout}/{mode}"], report[f"{layout}/optax"]
+    assert ran["resharded"] == []
+    assert (collections.Counter(ran["all_gathers"])
+            - collections.Counter(optax_ran["all_gathers"])) == collections.Counter()
+    assert ran["memory_kinds"]["blocks"] == {"w": "pinned_host", "b": "pinned_host"}
+    assert ran["memory_kinds"]["embed"] == {"w": "device", "b": "device"}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+  """``(report, arrays)`` of one run of ``_params_sharding_worker.py`` on eight CPU devices."""
+  out = tmp_path_factory.mktemp("sharded")
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+  proc = subprocess.run([sys.executable, str(root / "tests" / "_params_sharding_worker.py"),
+                         str(out)], env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return json.loads((out / "report.json").read_text()), dict(np.load(out / "results.npz"))
 
 
 def test_the_lowered_step_takes_and_returns_the_loop_stacks_in_host_memory():

@@ -1,13 +1,14 @@
-"""The FSDP runs behind ``test_offload_params.py``, on eight simulated CPU devices.
+"""The sharded runs behind ``test_offload_params.py``, on eight simulated CPU devices.
 
 Usage::
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-      python tests/_params_fsdp_worker.py OUT_DIR [--steps N]
+      python tests/_params_sharding_worker.py OUT_DIR [--steps N]
 
 The scanned MLP of ``_sharding_worker.py``, seven layers deep (six stacked blocks, which the
-fused loops take), its params and AdamW state sharded along "fsdp" (Auto mesh axes): plain optax,
-then backward and forward fusion with ``offload="params"``, each leaf its fused loop streams in
+fused loops take), on each layout of ``LAYOUTS`` (Auto mesh axes): data parallel (params and
+AdamW state replicated) and FSDP (sharded along "fsdp"). Each runs plain optax, then backward
+and forward fusion with ``offload="params"``, each leaf its fused loop streams in
 host memory and sharded like its device-resident twin. For each the worker records the output
 shardings that differ from the inputs', the all-gathers of its compiled HLO and the memory kinds
 of the params it returns, trains ``N`` steps, and writes ``OUT_DIR/report.json`` and the
@@ -35,6 +36,7 @@ import optfuse  # noqa: E402
 
 DEPTH = 7
 IMPLS = ("optax", "backward", "forward")
+LAYOUTS = ("fsdp", "data_parallel")
 
 
 def _host_like(shardings, tree):
@@ -43,10 +45,10 @@ def _host_like(shardings, tree):
                       if x.sharding.memory_kind == "pinned_host" else sh, shardings, tree)
 
 
-def run(impl: str, steps: int) -> tuple[dict, dict]:
+def run(layout: str, impl: str, steps: int) -> tuple[dict, dict]:
   """Compiles and trains one implementation; returns ``(report, arrays)``."""
   worker.DEPTH = DEPTH
-  mesh = worker.make_mesh("fsdp", "auto")
+  mesh = worker.make_mesh(layout, "auto")
   loss = functools.partial(worker.loss_fn, model="scan")
   params = worker.init_params("scan", 32)
   data = worker.batches(steps)
@@ -60,7 +62,7 @@ def run(impl: str, steps: int) -> tuple[dict, dict]:
   opt_state = state.opt_state if impl == "forward" else state
   with jax.set_mesh(mesh):
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                   worker.param_specs(params, "fsdp"))
+                                   worker.param_specs(params, layout))
     state_shardings = optax.tree_utils.tree_map_params(
         worker.TX, lambda _, sharding: sharding, opt_state, param_shardings,
         transform_non_params=lambda _: NamedSharding(mesh, P()))
@@ -101,9 +103,10 @@ def main(argv: list[str]) -> None:
     raise SystemExit(f"needs {worker.DEVICES} devices, found {jax.devices()}: set XLA_FLAGS="
                      f"--xla_force_host_platform_device_count={worker.DEVICES}.")
   report, arrays = {}, {}
-  for impl in IMPLS:
-    report[impl], out = run(impl, args.steps)
-    arrays.update({f"{impl}/{k}": v for k, v in out.items()})
+  for layout in LAYOUTS:
+    for impl in IMPLS:
+      report[f"{layout}/{impl}"], out = run(layout, impl, args.steps)
+      arrays.update({f"{layout}/{impl}/{k}": v for k, v in out.items()})
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "report.json").write_text(json.dumps(report, indent=1))
   np.savez(args.out / "results.npz", **arrays)
