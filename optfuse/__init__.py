@@ -27,6 +27,7 @@ from optfuse._base._errors import MuonDimsError as MuonDimsError
 from optfuse._base._errors import NonSeparableError as NonSeparableError
 from optfuse._base._errors import OffloadError as OffloadError
 from optfuse._base._errors import OptfuseError as OptfuseError
+from optfuse._base._errors import OptionsError as OptionsError
 from optfuse._base._errors import ParamsStructureError as ParamsStructureError
 from optfuse._base._errors import StateMismatchError as StateMismatchError
 from optfuse._base._errors import TargetError as TargetError

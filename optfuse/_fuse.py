@@ -9,12 +9,12 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optfuse._base import _checks
+from optfuse._base import _checks, _options
 from optfuse._base._options import FuseOptions
 from optfuse._engines._backward import BackwardEngine
-from optfuse._engines._engine import Engine
+from optfuse._engines._engine import Engine, PlacedStep, Step, without_placements
 from optfuse._engines._forward import ForwardEngine
-from optfuse._engines._offload import OffloadEngine
+from optfuse._engines._offload import OffloadEngine, with_params_placed
 from optfuse._engines._two_pass import TwoPassEngine
 from optfuse._engines._unfused import OffEngine
 from optfuse._jaxpr import _interpreter
@@ -30,11 +30,13 @@ class FusedTransformation(NamedTuple):
     value_and_update: ``value_and_update(loss_fn, has_aux=False, *, microbatches=None) -> step``
       where ``step(params, state, *args, **kwargs) -> (value, params, state)``. With
       ``microbatches=k`` every array argument is split along its leading axis into ``k``
-      microbatches whose mean gradient makes one update (the mean loss is returned).
+      microbatches whose mean gradient makes one update (the mean loss is returned); it raises
+      ``MicrobatchError`` for a ``k`` that is not a positive int, and ``GuardError`` for
+      ``k > 1`` with ``guard=True`` (``FuseOptions.check_microbatches``).
     flush: ``flush(params, state) -> (params, state)``; applies a pending forward-mode update,
       identity in the other modes.
     tx: the wrapped optax transformation.
-    options: the ``FuseOptions`` it runs with, as passed to ``optfuse.fuse``; ``mode``,
+    options: the ``FuseOptions`` it runs with, as given to ``optfuse.fuse``; ``mode``,
       ``global_ops``, ``offload`` and ``guard`` read them.
   """
 
@@ -83,17 +85,21 @@ def make_engine(tx: optax.GradientTransformation, options: FuseOptions) -> Engin
   return engine if options.offload is None else OffloadEngine(engine)
 
 
-def fuse(tx: optax.GradientTransformation, mode: str = "backward",
+def fuse(tx: optax.GradientTransformation, mode: str | None = None,
          global_ops: str | None = None, offload: str | None = None,
-         guard: bool = False) -> FusedTransformation:
+         guard: bool | None = None, *, options: FuseOptions | None = None
+         ) -> FusedTransformation:
   """Fuses the optax transformation ``tx`` into the training step.
+
+  The options are one ``FuseOptions``: ``options=``, or the keywords, a shorthand that builds
+  it (a keyword left at ``None`` takes its default, "backward" mode without the others).
 
   Args:
     tx: any optax ``GradientTransformation`` (a chain, ``inject_hyperparams``, masks...).
-    mode: "backward" updates each leaf inside the backward pass as soon as its gradient is
-      complete (separable transforms only); "forward" keeps the gradient and applies the update
-      just before each leaf's first use in the next step (every transform); "off" is the plain
-      optax step behind the same API.
+    mode: "backward" (default) updates each leaf inside the backward pass as soon as its
+      gradient is complete (separable transforms only); "forward" keeps the gradient and
+      applies the update just before each leaf's first use in the next step (every transform);
+      "off" is the plain optax step behind the same API.
     global_ops: ``"two_pass"`` lets backward mode run transforms that reduce over all the
       gradients (``clip_by_global_norm``, ``apply_if_finite``...) exactly: a first backward pass
       computes the global statistics, a second one (over the same forward pass) fuses the
@@ -115,10 +121,10 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
       with the lowest compiled peak, so that fusion never peaks above taps (which peak at
       optax's); ``describe(fx, ...).reasons`` says which loops it gave up and both peaks.
       ``False`` (default): every loop that can fuse is fused.
+    options: the options as one ``FuseOptions``, in place of the keywords.
 
   Returns:
-    A ``FusedTransformation``; its ``options`` are these keyword arguments as one
-    ``FuseOptions``.
+    A ``FusedTransformation``; its ``options`` are the ``FuseOptions`` it runs with.
 
   Raises:
     UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
@@ -126,6 +132,7 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     OffloadError: ``offload`` is not ``None``, "state" or "params", or is given with
       ``global_ops``, or is "params" in mode "off".
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
+    OptionsError: ``options`` is given with a keyword that contradicts it.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse
@@ -137,20 +144,44 @@ def fuse(tx: optax.GradientTransformation, mode: str = "backward",
     >>> float(loss)
     5.0
   """
-  return fuse_with(tx, FuseOptions(mode, global_ops, offload, guard))
+  return fuse_with(tx, _options.resolve(options, mode=mode, global_ops=global_ops,
+                                        offload=offload, guard=guard))
+
+
+class _ValueAndUpdate:
+  """A fused transformation's ``value_and_update``: the steps of its engine.
+
+  ``placed`` builds the same step returning what its trace placed where too (``describe``
+  traces it); calling builds the step the user runs, which drops them.
+  """
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+
+  def placed(self, loss_fn: Callable, has_aux: bool = False,
+             microbatches: int | None = None) -> PlacedStep:
+    """The step of ``loss_fn``, returning ``((value, params, state), Placed)``.
+
+    Raises:
+      MicrobatchError: ``microbatches`` is not a positive int or ``None``.
+    """
+    step = self.engine.step(loss_fn, has_aux,
+                            self.engine.options.check_microbatches(microbatches))
+    return _on_inputs_placement(_interpreter.with_shared_scalars(step))
+
+  def __call__(self, loss_fn: Callable, has_aux: bool = False, *,
+               microbatches: int | None = None) -> Step:
+    step = self.placed(loss_fn, has_aux, microbatches)
+    if self.engine.options.offload == "params":
+      step = with_params_placed(step)
+    return without_placements(step)
 
 
 def fuse_with(tx: optax.GradientTransformation, options: FuseOptions) -> FusedTransformation:
   """``fuse(tx, ...)`` with its options as one checked value (``train_step``, the Flax
   adapters)."""
   engine = make_engine(tx, options)
-
-  def value_and_update(loss_fn: Callable, has_aux: bool = False, *,
-                       microbatches: int | None = None):
-    step = engine.step(loss_fn, has_aux, _checks.check_microbatches(microbatches))
-    return _on_inputs_placement(_interpreter.with_shared_scalars(step))
-
-  return FusedTransformation(engine.init, value_and_update,
+  return FusedTransformation(engine.init, _ValueAndUpdate(engine),
                              _on_inputs_placement(_interpreter.with_shared_scalars(engine.flush)),
                              tx, options)
 

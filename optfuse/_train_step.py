@@ -9,20 +9,21 @@ for an ``optfuse.linen.TrainState``. This module does not import Flax.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
-from optfuse._base import _memory_spaces
-from optfuse._base._errors import OffloadError
+from optfuse._base import _memory_spaces, _options
+from optfuse._base._errors import OffloadError, OptionsError
 from optfuse._base._options import FuseOptions
 from optfuse._fuse import fuse_with
 
 
 def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
-               mode: str | None = None, global_ops: str | None = None,
-               microbatches: int | None = None, guard: bool = False,
-               offload: str | None = None) -> Callable:
+               options: FuseOptions | None = None, mode: str | None = None,
+               global_ops: str | None = None, microbatches: int | None = None,
+               guard: bool | None = None, offload: str | None = None) -> Callable:
   """Turns ``loss_fn(params, *args)`` into ``step(state, *args) -> (value, state)``.
 
   ``step(state, *args)`` does what ``jax.value_and_grad(loss_fn)(state.params, *args)`` followed
@@ -31,27 +32,32 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
   ``@optfuse.train_step(has_aux=True)``) or call it inline:
   ``loss, state = optfuse.train_step(loss_fn)(state)``.
 
+  The fusion options are one ``FuseOptions``: ``options=``, or the keywords ``mode``,
+  ``global_ops``, ``guard`` and ``offload``, a shorthand that builds it (a keyword left at
+  ``None`` is not given). An ``optfuse.linen.TrainState`` carries its own options, which its
+  ``opt_state`` was built for: the step runs with them, and options given here must agree.
+
   Args:
     loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a float scalar, or ``(loss, aux)``
       with ``has_aux``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    mode: the fusion mode ("backward", "forward" or "off"). By default the state's own ``mode``
-      for an ``optfuse.linen.TrainState``, else "backward". The state's ``opt_state`` must have
-      the layout ``optfuse.fuse(state.tx, mode).init`` gives: ``tx.init(params)`` in "backward"
-      and "off" mode.
+    options: the ``FuseOptions`` of the step, in place of the keywords. By default the state's
+      own for an ``optfuse.linen.TrainState``, else ``FuseOptions()`` (backward mode). A plain
+      Flax state's ``opt_state`` must have the layout ``optfuse.fuse(state.tx, options=
+      options).init`` gives: ``tx.init(params)`` in "backward" and "off" mode.
+    mode: the fusion mode ("backward", "forward" or "off"; see ``optfuse.fuse``).
     global_ops: ``"two_pass"`` lets backward mode run global transforms such as
-      ``clip_by_global_norm`` (see ``optfuse.fuse``). By default the state's own ``global_ops``
-      for an ``optfuse.linen.TrainState``, else ``None``.
+      ``clip_by_global_norm`` (see ``optfuse.fuse``).
     microbatches: split every array argument along its leading axis into this many microbatches
       whose mean gradient makes one update; the value is their mean loss.
     guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
-      ``optfuse.fuse``); an ``optfuse.linen.TrainState`` uses its own ``guard``.
+      ``optfuse.fuse``).
     offload: ``"state"``: the slots of ``state.opt_state`` live in ``pinned_host`` memory and
-      are streamed through the step (see ``optfuse.fuse``). By default the state's own
-      ``offload`` for an ``optfuse.linen.TrainState`` (create it with ``offload="state"``),
-      else ``None``. A plain Flax ``TrainState`` needs its ``opt_state`` moved there once, out
-      of ``jit``: ``state.replace(opt_state=optfuse.from_optax_state(optfuse.fuse(state.tx,
-      offload="state"), state.params, state.opt_state))``.
+      are streamed through the step (see ``optfuse.fuse``). An ``optfuse.linen.TrainState``
+      is created with it (``offload="state"``); a plain Flax ``TrainState`` needs its
+      ``opt_state`` moved there once, out of ``jit``: ``state.replace(opt_state=
+      optfuse.from_optax_state(optfuse.fuse(state.tx, offload="state"), state.params,
+      state.opt_state))``.
 
   Returns:
     ``step(state, *args, **kwargs) -> (value, state)``: the loss (or ``(loss, aux)``) at the old
@@ -59,14 +65,15 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
     ``loss_fn``, a decorator that builds it.
 
   Raises:
-    UnknownModeError: ``mode`` or ``global_ops`` is not one ``optfuse.fuse`` accepts (when
-      ``train_step`` is called).
-    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode (when
-      ``train_step`` is called).
-    ValueError: ``mode`` or ``global_ops`` contradicts that of an ``optfuse.linen.TrainState``.
-    OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with ``global_ops``
-      (when ``train_step`` is called); or it contradicts the ``offload`` of an
-      ``optfuse.linen.TrainState``, or the state's slots are in device memory (at the step).
+    UnknownModeError, OffloadError, GuardError: the options make a combination that does not
+      run, as ``optfuse.fuse`` raises them (when ``train_step`` is called).
+    MicrobatchError: ``microbatches`` is not a positive int or ``None`` (when ``train_step`` is
+      called).
+    OptionsError: ``options`` and a keyword contradict each other (when ``train_step`` is
+      called), or the options given contradict those of an ``optfuse.linen.TrainState`` (at the
+      step).
+    OffloadError: ``offload="state"`` and a plain Flax state's slots are in device memory (at
+      the step).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -80,24 +87,30 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
     >>> print(state.params["w"], state.step)
     [1.  0.9 0.8] 1
   """
+  given = dict(mode=mode, global_ops=global_ops, guard=guard, offload=offload)
   if loss_fn is None:
-    return functools.partial(train_step, has_aux=has_aux, mode=mode, global_ops=global_ops,
-                             microbatches=microbatches, guard=guard, offload=offload)
+    return functools.partial(train_step, has_aux=has_aux, options=options,
+                             microbatches=microbatches, **given)
   # Checked here, once: a step on an optfuse.linen.TrainState runs with the state's own options,
   # which must agree with those given.
-  options = FuseOptions(mode or "backward", global_ops, offload, guard)
+  resolved = _options.resolve(options, **given)
+  resolved.check_microbatches(microbatches)
+  # What was given, for the comparison with a state's own options: all of ``options``, else the
+  # keywords that are not None.
+  named = (dataclasses.asdict(options) if options is not None
+           else {name: value for name, value in given.items() if value is not None})
   fused_by_tx: dict = {}
 
   @functools.wraps(loss_fn)
   def step(state, *args, **kwargs) -> tuple[Any, Any]:
     if hasattr(state, "value_and_update") and isinstance(getattr(state, "options", None),
                                                          FuseOptions):
-      _check_agrees_with_state(state.options, mode=mode, global_ops=global_ops, offload=offload)
+      _check_agrees_with_state(state.options, named)
       return state.value_and_update(loss_fn, *args, has_aux=has_aux,
                                     microbatches=microbatches, **kwargs)
     if state.tx not in fused_by_tx:
-      fused_by_tx[state.tx] = fuse_with(state.tx, options)
-    if offload is not None:
+      fused_by_tx[state.tx] = fuse_with(state.tx, resolved)
+    if resolved.offload is not None:
       _check_slots_on_host(state.opt_state)
     update = fused_by_tx[state.tx].value_and_update(loss_fn, has_aux=has_aux,
                                                     microbatches=microbatches)
@@ -107,18 +120,17 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
   return step
 
 
-def _check_agrees_with_state(options: FuseOptions, **given) -> None:
-  """Raises unless each argument of ``train_step`` given is the one in ``options``, those the
+def _check_agrees_with_state(options: FuseOptions, given: dict) -> None:
+  """Raises unless each option given to ``train_step`` is the one in ``options``, those the
   state was created with: its ``opt_state`` has that mode's layout and that offload's
   placement."""
-  for name, value in given.items():
-    own = getattr(options, name)
-    if value is not None and value != own:
-      error = OffloadError if name == "offload" else ValueError
-      raise error(
-          f"train_step was given {name}={value!r} but the state was created with "
-          f"{name}={own!r}, and its opt_state was built for it. Drop the {name} argument or "
-          f"create the state with the {name} you want.")
+  conflicts = {name: value for name, value in given.items() if getattr(options, name) != value}
+  if conflicts:
+    named = ", ".join(f"{name}={value!r}" for name, value in conflicts.items())
+    raise OptionsError(
+        f"train_step was given {named} but the state was created with {options!r}, and its "
+        f"opt_state was built for those options. Drop them from train_step, or create the "
+        f"state with the options you want.")
 
 
 def _check_slots_on_host(opt_state) -> None:

@@ -44,7 +44,7 @@ class TrainState(train_state.TrainState):
       ``mode``, ``global_ops``, ``guard`` and ``offload`` read them. With ``offload="state"``
       the slots of ``opt_state`` (Adam's ``mu`` and ``nu``) live in ``pinned_host`` memory,
       streamed through the fused step (see ``optfuse.fuse``).
-    fused: the ``optfuse.fuse(tx, mode, global_ops, offload, guard)`` transformation, built
+    fused: the ``optfuse.fuse(tx, options=options)`` transformation, built
       once by ``create`` and carried along by ``replace`` so that its update plans are cached
       across steps.
 
@@ -100,15 +100,21 @@ class TrainState(train_state.TrainState):
 
   @classmethod
   def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation,
-             mode: str = "backward", global_ops: str | None = None, guard: bool = False,
+             options: FuseOptions | None = None, mode: str | None = None,
+             global_ops: str | None = None, guard: bool | None = None,
              offload: str | None = None, **kwargs) -> TrainState:
-    """A new state with ``step=0`` and ``opt_state = optfuse.fuse(tx, mode, ...).init(params)``.
+    """A new state with ``step=0`` and ``opt_state = optfuse.fuse(tx, options=options).init(
+    params)``.
+
+    The options are one ``FuseOptions``, as ``optfuse.fuse`` takes them: ``options=``, or the
+    keywords, a shorthand that builds it (a keyword left at ``None`` is not given).
 
     Args:
       apply_fn: usually ``model.apply``.
       params: the params to train.
       tx: the optax transformation.
-      mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
+      options: the ``FuseOptions`` of the state's steps, in place of the keywords.
+      mode: "backward" (default), "forward" or "off" (see ``optfuse.fuse``).
       global_ops: ``"two_pass"`` lets backward mode run global transforms such as
         ``clip_by_global_norm`` (see ``optfuse.fuse``).
       guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
@@ -126,6 +132,7 @@ class TrainState(train_state.TrainState):
       OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with
         ``global_ops``.
       GuardError: ``guard`` is ``True`` outside backward mode.
+      OptionsError: ``options`` is given with a keyword that contradicts it.
       ParamsStructureError: ``params`` holds fp8 overwrite-with-gradient params, which are not
         trained by ``tx`` and cannot be fused.
     """
@@ -134,7 +141,7 @@ class TrainState(train_state.TrainState):
           f"params hold a {OVERWRITE_WITH_GRADIENT!r} collection (fp8 training); its values are "
           "overwritten by their gradients, not trained by tx, so optfuse cannot fuse them. Use "
           "flax.training.train_state.TrainState for fp8 training.")
-    fused = fuse(tx, mode, global_ops, offload, guard)
+    fused = fuse(tx, mode, global_ops, offload, guard, options=options)
     return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=fused.init(params),
                options=fused.options, fused=fused, **kwargs)
 

@@ -26,6 +26,7 @@ from flax.nnx.training import optimizer as nnx_optimizer
 
 from optfuse._base import _leaves, _memory_spaces
 from optfuse._base._checks import check_loss
+from optfuse._base._errors import MicrobatchError
 from optfuse._base._options import FuseOptions
 from optfuse._fuse import fuse
 
@@ -43,7 +44,7 @@ class Optimizer(nnx.Optimizer[M]):
     options: the ``optfuse.FuseOptions`` of the constructor; ``mode``, ``global_ops``,
       ``guard`` and ``offload`` read them. With ``offload="state"`` the slots of ``opt_state``
       live in ``pinned_host`` memory, streamed through the fused step (see ``optfuse.fuse``).
-    fused: the ``optfuse.fuse(tx, mode, global_ops, offload, guard)`` transformation; it
+    fused: the ``optfuse.fuse(tx, options=options)`` transformation; it
       caches the update plans.
 
   Examples:
@@ -70,16 +71,21 @@ class Optimizer(nnx.Optimizer[M]):
   """
 
   def __init__(self, model: M, tx: optax.GradientTransformation, *,
-               wrt: filterlib.Filter = nnx.Param, mode: str = "backward",
-               global_ops: str | None = None, guard: bool = False,
-               offload: str | None = None, graph: bool | None = None):
+               wrt: filterlib.Filter = nnx.Param, options: FuseOptions | None = None,
+               mode: str | None = None, global_ops: str | None = None,
+               guard: bool | None = None, offload: str | None = None,
+               graph: bool | None = None):
     """Builds the optimizer state of the ``wrt`` variables of ``model``.
+
+    The options are one ``FuseOptions``, as ``optfuse.fuse`` takes them: ``options=``, or the
+    keywords, a shorthand that builds it (a keyword left at ``None`` is not given).
 
     Args:
       model: the NNX module to train.
       tx: the optax transformation.
       wrt: filter of the variables to train (as for ``nnx.Optimizer`` and ``nnx.grad``).
-      mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
+      options: the ``FuseOptions`` of the optimizer's steps, in place of the keywords.
+      mode: "backward" (default), "forward" or "off" (see ``optfuse.fuse``).
       global_ops: ``"two_pass"`` lets backward mode run global transforms such as
         ``clip_by_global_norm`` (see ``optfuse.fuse``).
       guard: ``True`` keeps backward mode's loops only where they lower the compiled peak (see
@@ -94,8 +100,9 @@ class Optimizer(nnx.Optimizer[M]):
       OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with
         ``global_ops``.
       GuardError: ``guard`` is ``True`` outside backward mode.
+      OptionsError: ``options`` is given with a keyword that contradicts it.
     """
-    fused = fuse(tx, mode, global_ops, offload, guard)
+    fused = fuse(tx, mode, global_ops, offload, guard, options=options)
     # nnx.Optimizer.__init__ would build the state with tx.init; the fused transformation's init
     # gives the layout of its mode, so the attributes are set here as nnx.Optimizer sets them.
     self.graph = graph
@@ -173,7 +180,7 @@ class Optimizer(nnx.Optimizer[M]):
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
 
   def value_and_update(self, model: M, loss_fn: Callable, *args, has_aux: bool = False,
-                       **kwargs) -> Any:
+                       microbatches: None = None, **kwargs) -> Any:
     """One fused training step, updating ``model`` and the optimizer in place.
 
     Args:
@@ -184,11 +191,23 @@ class Optimizer(nnx.Optimizer[M]):
         back.
       *args: the other positional arguments of ``loss_fn`` (arrays, ``nnx.Rngs``, modules...).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      microbatches: ``None``; a reserved keyword, not passed to ``loss_fn``: the NNX step takes
+        no microbatches (the model's variables travel with its arguments, which a microbatch
+        split would cut).
       **kwargs: keyword arguments of ``loss_fn``.
 
     Returns:
       The loss, or ``(loss, aux)`` with ``has_aux``, at the params before the update.
+
+    Raises:
+      MicrobatchError: ``microbatches`` is given.
     """
+    if microbatches is not None:
+      raise MicrobatchError(
+          f"optfuse.nnx.Optimizer takes no microbatches (got microbatches={microbatches!r}): the "
+          "model's variables (BatchNorm statistics, RNG counters) travel with the step's "
+          "arguments, which a microbatch split would cut. Use optfuse.linen.TrainState or "
+          "optfuse.fuse(tx).value_and_update(loss_fn, microbatches=k) on nnx.split's params.")
     trained = filterlib.to_predicate(self.wrt)
 
     def in_model_and_trained(path, value) -> bool:

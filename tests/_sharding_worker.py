@@ -3,7 +3,8 @@
 Usage::
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-      python tests/_sharding_worker.py OUT_DIR [--configs C,...] [--steps N] [--width W]
+      python tests/_sharding_worker.py OUT_DIR [--configs C,...] [--steps N] [--width W] \\
+      [--faults C,...]
 
 The device count is fixed when JAX initialises, so these runs live in their own process and the
 flag never leaks into the test process. For every layout (data parallel, FSDP), model (unrolled
@@ -12,7 +13,8 @@ optfuse mode, backward fusion with the optimizer state in host memory) the worke
 jitted step, records its output shardings, the all-gathers in its compiled HLO and its
 compiled memory per device, then trains ``N`` steps
 (``jax.jit`` recompiles a step whose outputs come back resharded, as it would in user code). It
-writes ``OUT_DIR/report.json`` and the losses and final params and state to
+also trains backward fusion of each optimizer of ``tests/faults.py`` on the configurations
+``--faults`` names. It writes ``OUT_DIR/report.json`` and the losses and final params and state to
 ``OUT_DIR/results.npz``. The models, batches and optimizer are defined here so the test can
 train the same ones on one device.
 """
@@ -27,6 +29,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import faults  # tests/faults.py: this script's directory is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +48,14 @@ LAYOUTS = ("data_parallel", "fsdp")
 MODELS = ("mlp", "scan")
 AXIS_TYPES = ("auto", "explicit")
 IMPLS = ("optax", "backward", "forward", "backward_offload")
+# Backward fusion of a wrong optimizer (``tests/faults.py``), for the configurations named by
+# ``--faults``: the test shows the criterion that passes the fused steps rejecting each.
+FAULTED = tuple(f"backward+{name}" for name in faults.faults(lambda path: True))
+
+
+def stacked(path: str) -> bool:
+  """The scanned model's stacked layers, by ``jax.tree_util.keystr`` path."""
+  return path.startswith("['blocks']")
 
 
 def init_params(model: str, width: int) -> dict:
@@ -144,6 +155,9 @@ def run(layout: str, model: str, axis_type: str, impl: str, steps: int, width: i
   loss = functools.partial(loss_fn, model=model, gather=gather)
   if impl == "optax":
     initable, step = TX, optax_step(loss)
+  elif impl in FAULTED:
+    fx = optfuse.fuse(faults.faults(stacked)[impl.removeprefix("backward+")](TX), "backward")
+    initable, step = fx, fx.value_and_update(loss)
   else:
     offload = "state" if impl.endswith("_offload") else None
     fx = optfuse.fuse(TX, impl.removesuffix("_offload"), offload=offload)
@@ -205,13 +219,16 @@ def main(argv: list[str]) -> None:
                       help="comma-separated LAYOUT/MODEL/AXIS_TYPE, default: all of them")
   parser.add_argument("--steps", type=int, default=50)
   parser.add_argument("--width", type=int, default=32)
+  parser.add_argument("--faults", default="",
+                      help="comma-separated configurations to train with each fault too")
   args = parser.parse_args(argv)
   if jax.device_count() != DEVICES:
     raise SystemExit(f"needs {DEVICES} devices, found {jax.devices()}: set XLA_FLAGS="
                      f"--xla_force_host_platform_device_count={DEVICES} before JAX starts.")
   report, arrays = {}, {}
+  faulted = args.faults.split(",") if args.faults else []
   for config in args.configs.split(","):
-    for impl in IMPLS:
+    for impl in IMPLS + (FAULTED if config in faulted else ()):
       key = f"{config}/{impl}"
       print(key, file=sys.stderr, flush=True)
       try:

@@ -2,7 +2,6 @@
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -10,7 +9,7 @@ import pytest
 
 import optfuse
 from optfuse.bench import _models
-from tests import models
+from tests import criteria, models
 from tests.test_loops import _init, scan_loss
 
 # float32 over 20 steps; the fused step divides the partial sums by k before adding them (optax
@@ -54,6 +53,7 @@ def _fused(tx, loss, mode, params, steps, x, y):
   return jnp.stack(losses), p, s
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("mode", ["off", "backward"])
 @pytest.mark.parametrize("remat", [False, True])
 def test_microbatched_step_matches_optax_manual_accumulation(mode, remat):
@@ -61,9 +61,10 @@ def test_microbatched_step_matches_optax_manual_accumulation(mode, remat):
   params = _init(jax.random.PRNGKey(0))
   tx = optax.adamw(1e-2, weight_decay=0.1)
   ref = _manual_optax(tx, loss, params, 20, *_data())
-  chex.assert_trees_all_close(_fused(tx, loss, mode, params, 20, *_data()), ref, **TOL)
+  criteria.assert_matches_optax(_fused(tx, loss, mode, params, 20, *_data()), ref, **TOL)
 
 
+@pytest.mark.equivalence
 def test_microbatched_step_matches_optax_multisteps():
   loss = functools.partial(scan_loss, remat=True)
   params = _init(jax.random.PRNGKey(0))
@@ -80,8 +81,8 @@ def test_microbatched_step_matches_optax_multisteps():
     for i in range(K):
       p, s = mini_step(p, s, x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
   _, fused_params, fused_state = _fused(optax.adam(1e-2), loss, "backward", params, 10, x, y)
-  chex.assert_trees_all_close(fused_params, p, **TOL)
-  chex.assert_trees_all_close(fused_state, s.inner_opt_state, **TOL)
+  criteria.assert_matches_optax(fused_params, p, **TOL)
+  criteria.assert_matches_optax(fused_state, s.inner_opt_state, **TOL)
 
 
 def test_accumulation_fused_inside_the_layer_loop_saves_a_gradient_buffer():

@@ -35,9 +35,7 @@ LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
 # Code lines (docstrings, comments and blank lines not counted) past which a module is read
 # again for a second role. A module that holds one role may stay above it, named here with why.
 CODE_LINE_BUDGET = 300
-ONE_ROLE_ABOVE_BUDGET = {
-    "_jaxpr._rows": "the row evaluator and its rule table keyed by primitive, as jet.py holds both",
-}
+ONE_ROLE_ABOVE_BUDGET: dict[str, str] = {}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -147,3 +145,69 @@ def test_modules_within_the_code_line_budget_or_of_one_named_role(module):
   assert lines <= CODE_LINE_BUDGET or module in ONE_ROLE_ABOVE_BUDGET, (
       f"{module} has {lines} lines of code: if it holds two roles, split it by role; if it holds "
       f"one, name it in ONE_ROLE_ABOVE_BUDGET with that role")
+
+
+# The equation params whose form differs between JAX releases (a scan's counts became ``ft_in``
+# in 0.11, its body and every other body a ``Jaxpr`` carrying its consts; ``call_hi_primitive``
+# wraps a checkpoint's body under ``jax_remat3``): read in ``_jaxpr._interpreter`` only.
+VERSION_SPECIFIC_PARAMS = frozenset({
+    "num_consts", "num_carry", "ft_in", "ft_out", "jaxpr", "cond_nconsts", "body_nconsts",
+    "cond_jaxpr", "body_jaxpr", "branches", "call_jaxpr", "_prim", "linear", "unroll", "reverse",
+    "length",
+})
+INTERPRETER = "_jaxpr._interpreter"
+
+
+def _is_primitive(node: ast.AST) -> bool:
+  return isinstance(node, ast.Attribute) and node.attr == "primitive"
+
+
+def _version_specific_reads(tree: ast.AST) -> list[str]:
+  """Where ``tree`` reads a version-specific param by name or looks an equation's primitive up
+  (``eqn.primitive is/==/in ...``, ``RULES.get(eqn.primitive)``, ``RULES[eqn.primitive]``)
+  instead of asking the interpreter (``primitive_of``, ``scan_parts``...)."""
+  found = []
+  for n in ast.walk(tree):
+    key = None
+    if isinstance(n, ast.Subscript):
+      key = n.slice
+      if _is_primitive(key):
+        found.append(f"line {n.lineno}: a table indexed by .primitive")
+    elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args:
+      key = n.args[0]
+      if n.func.attr == "get" and _is_primitive(key):
+        found.append(f"line {n.lineno}: a table looked up by .primitive")
+      if n.func.attr != "get":
+        key = None
+      if n.func.attr == "jaxprs_in_params":
+        found.append(f"line {n.lineno}: jaxprs_in_params")
+    elif isinstance(n, ast.Compare):
+      if any(_is_primitive(x) for x in (n.left, *n.comparators)):
+        found.append(f"line {n.lineno}: a comparison of .primitive")
+      if any(isinstance(op, (ast.In, ast.NotIn)) for op in n.ops):
+        key = n.left
+    if (isinstance(key, ast.Constant) and isinstance(key.value, str)
+        and key.value in VERSION_SPECIFIC_PARAMS):
+      found.append(f"line {n.lineno}: the param {key.value!r}")
+  return found
+
+
+def test_the_structural_check_finds_each_kind_of_read():
+  snippet = ast.parse(
+      'n = eqn.params["num_consts"]\n'
+      'b = p.get("branches")\n'
+      'ok = "ft_in" in eqn.params\n'
+      'if eqn.primitive is P.scan_p: pass\n'
+      'if eqn.primitive in TABLE: pass\n'
+      'rule = RULES.get(eqn.primitive)\n'
+      'rule = RULES[eqn.primitive]\n'
+      'name, outs = eqn.primitive.name, eqn.params["shape"]\n')
+  assert len(_version_specific_reads(snippet)) == 7
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m != INTERPRETER])
+def test_version_specific_forms_are_read_in_the_interpreter_only(module):
+  found = _version_specific_reads(_tree(module))
+  assert not found, (f"{module} reads forms that differ between JAX versions: {found}; ask "
+                     f"{INTERPRETER} (primitive_of, scan_parts, while_parts, cond_branches, "
+                     "call_body, inner_jaxprs, bind)")

@@ -97,6 +97,18 @@ def test_the_guard_compiles_once_per_input_shapes(monkeypatch):
   assert len(calls) == 4
 
 
+def test_describe_reads_the_decision_of_the_step_it_describes_without_compiling(monkeypatch):
+  calls = []
+  real = _guard.peak
+  monkeypatch.setattr(_guard, "peak", lambda *a: calls.append(1) or real(*a))
+  fx = optfuse.fuse(TX, guard=True)
+  params, (batch,) = _params(), _batches()
+  jax.jit(fx.value_and_update(_stack_loss)).trace(params, fx.init(params), *batch)
+  assert len(calls) == 2
+  assert optfuse.describe(fx, _stack_loss, params, *batch)["['layers']['w']"] == "loop"
+  assert len(calls) == 2
+
+
 def test_a_loop_that_peaks_above_its_taps_is_tapped_and_trains_like_optax(monkeypatch):
   # Fused, this model peaks below its taps on XLA:CPU; the stand-in says the opposite.
   _compiler_says(monkeypatch, lambda tapped: 100 if tapped else 200)

@@ -5,8 +5,10 @@ offers: the call-like equations of ``jax.jit``, ``jax.checkpoint``, ``jax.custom
 ``jax.custom_vjp``, also under the upgrade flags ``jax_remat3`` and ``jax_custom_vjp3`` that a
 later release turns on; primitives found by object, never by a name that a release may change;
 JAX 0.11's ``xla_metadata_call``, the real one or one made to stand in for it; the runtime
-error class under each of its names. The suite's ``jax_upgrades`` subset runs whole trainings
-under each flag (``JAX_REMAT3=1 python -m pytest -m "jax_upgrades and not slow"``).
+error class under each of its names. JAX 0.11's scans (``ft_in``) and bodies (a ``Jaxpr``
+carrying its consts) go through every walker in ``tests/test_jax011_forms.py``. The suite's
+``jax_upgrades`` subset runs whole trainings under each flag (``JAX_REMAT3=1 python -m pytest -m
+"jax_upgrades and not slow"``).
 """
 
 from __future__ import annotations
@@ -86,16 +88,17 @@ def test_checkpoint_options_are_read_from_either_form(upgrade):
   assert _interpreter.remat_options(eqn)["policy"] is policy
 
 
-def test_scan_operand_counts_are_read_from_the_equation():
+def test_scan_parts_are_read_from_the_equation():
   def loss(k, x, xs):
     return jax.lax.scan(lambda c, w: ((jnp.tanh(c[0] @ w) * k, c[1] + 1), c[0]),
                         (x, 0), xs)
 
   jaxpr = jax.make_jaxpr(loss)(2.0, jnp.ones(3), jnp.ones((4, 3, 3))).jaxpr
   (eqn,) = [e for e in jaxpr.eqns if e.primitive is jax.extend.core.primitives.scan_p]
-  consts, carry = _interpreter.scan_counts(eqn)
-  assert (consts, carry) == (1, 2)
-  assert len(eqn.invars) == consts + carry + 1
+  parts = _interpreter.scan_parts(eqn)
+  assert (parts.num_consts, parts.num_carry, parts.length) == (1, 2, 4)
+  assert len(eqn.invars) == parts.num_consts + parts.num_carry + 1
+  assert len(parts.body.jaxpr.invars) == len(eqn.invars)
 
 
 def _primitive_name_reads(tree: ast.AST) -> list[int]:

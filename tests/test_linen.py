@@ -492,7 +492,7 @@ def test_offload_with_two_pass_is_refused_and_the_error_says_to_use_forward_mode
 def test_train_step_refuses_an_offload_that_contradicts_the_state():
   params, batches, loss = _dense_params_and_batches()
   state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
-  with pytest.raises(optfuse.OffloadError, match="offload=None"):
+  with pytest.raises(optfuse.OptionsError, match="offload='state'.*offload=None"):
     optfuse.train_step(loss, offload="state")(state, *batches[0])
 
 

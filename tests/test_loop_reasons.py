@@ -23,8 +23,10 @@ def _head(p, h, y):
 
 
 def while_loss(p, x, y):
+  # JAX differentiates no while_loop in reverse mode: a step (which describe traces) runs only
+  # with the loop held out of the gradient, as a frozen teacher's would be.
   h = jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, _scan(p, c[1])), (0, x))[1]
-  return _head(p, h, y)
+  return _head(p, jax.lax.stop_gradient(h), y)
 
 
 def cond_loss(p, x, y):

@@ -30,7 +30,7 @@ from optax.contrib import MuonDimensionNumbers as Dims
 
 import optfuse
 from optfuse._jaxpr import _rows
-from tests import models
+from tests import faults, models
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
@@ -171,20 +171,76 @@ def test_backward_fused_muon_trains_like_optax_over_20_steps(layer_axis):
 def _run(fx, microbatches=None):
   params = decoder_params()
   step = fx.value_and_update(decoder_loss, microbatches=microbatches)
-  return models.run_steps(step, params, fx.init(params), _batches(), 20)
+  losses, params, state = models.run_steps(step, params, fx.init(params), _batches(), 20)
+  return losses, (fx.flush(params, state)[0] if hasattr(fx, "flush") else params), state
 
 
-@pytest.mark.parametrize("options", [
-    dict(mode="backward", microbatches=2), dict(mode="backward", offload="state"),
-    dict(mode="forward")], ids=["backward_microbatches", "backward_offload_state", "forward"])
-def test_fused_muon_trains_like_the_unfused_step(options):
-  options = dict(options)
+def optax_microbatched_step(tx: optax.GradientTransformation, microbatches: int = 1):
+  """The hand-written step a fused one is judged against: the loss and gradient of each
+  microbatch (consecutive slices of the batch), their means, ``tx.update`` of the mean gradient
+  and ``optax.apply_updates``; with one microbatch, plain optax."""
+
+  def step(params, state, tokens, targets):
+    size = tokens.shape[0] // microbatches
+    parts = [jax.value_and_grad(decoder_loss)(params, tokens[i * size:(i + 1) * size],
+                                              targets[i * size:(i + 1) * size])
+             for i in range(microbatches)]
+    loss = sum(value for value, _ in parts) / microbatches
+    grads = jax.tree.map(lambda *g: sum(g) / microbatches, *(grad for _, grad in parts))
+    updates, state = tx.update(grads, state, params)
+    return loss, optax.apply_updates(params, updates), state
+
+  return step
+
+
+def optax_reference(tx: optax.GradientTransformation, microbatches: int = 1):
+  """20 steps of ``optax_microbatched_step`` from the decoder's params: ``(losses, params)``."""
+  params = decoder_params()
+  return models.run_steps(optax_microbatched_step(tx, microbatches), params, tx.init(params),
+                          _batches(), 20)[:2]
+
+
+# Microbatched, offloaded and forward-fused Muon against the hand-written optax loop; the faults
+# of tests/faults.py injected into the fused run only must fail the same comparison (a learning
+# rate 1 % off moves the weights ~1e-2 of their 20 steps' movement, two orders of magnitude
+# beyond RTOL and ATOL; a skipped row leaves one layer's matrix a whole step behind).
+FUSED_OPTIONS = {"backward_microbatches": dict(mode="backward", microbatches=2),
+                 "backward_offload_state": dict(mode="backward", offload="state"),
+                 "forward": dict(mode="forward")}
+
+
+def _fused_run(options: str, tx: optax.GradientTransformation):
+  options = dict(FUSED_OPTIONS[options])
   microbatches = options.pop("microbatches", None)
-  fx = optfuse.fuse(_muon(), **options)
-  losses, params, state = _run(fx, microbatches)
-  params = fx.flush(params, state)[0] if options["mode"] == "forward" else params
-  want = _run(optfuse.fuse(_muon(), mode="off"), microbatches)
-  chex.assert_trees_all_close((losses, params), want[:2], rtol=RTOL, atol=ATOL)
+  return _run(optfuse.fuse(tx, **options), microbatches)[:2]
+
+
+def muon_faults(layer_axis: int = 0) -> dict:
+  """The errors of tests/faults.py, the skipped row one layer of the stacked ``w1``; Muon's
+  momentum and its AdamW fallback both count steps for their bias correction."""
+  return faults.faults(lambda path: path == "['layers']['w1']", layer_axis)
+
+
+@pytest.mark.parametrize("options", sorted(FUSED_OPTIONS))
+def test_fused_muon_trains_like_the_hand_written_optax_loop(options):
+  microbatches = FUSED_OPTIONS[options].get("microbatches", 1)
+  chex.assert_trees_all_close(_fused_run(options, _muon()), optax_reference(_muon(), microbatches),
+                              rtol=RTOL, atol=ATOL)
+
+
+FAULT_CASES = [pytest.param(options, fault, marks=() if (options, fault) in {
+                   ("backward_microbatches", "lr_1pct_off"), ("forward", "row_skipped")}
+                   else pytest.mark.slow)
+               for options in sorted(FUSED_OPTIONS) for fault in sorted(muon_faults())]
+
+
+@pytest.mark.parametrize("options,fault", FAULT_CASES)
+def test_the_comparison_with_the_optax_loop_rejects_an_error_injected_into_the_fused_muon(
+    options, fault):
+  microbatches = FUSED_OPTIONS[options].get("microbatches", 1)
+  got = _fused_run(options, muon_faults()[fault](_muon()))
+  with pytest.raises(AssertionError):
+    chex.assert_trees_all_close(got, optax_reference(_muon(), microbatches), rtol=RTOL, atol=ATOL)
 
 
 def test_forward_fusion_puts_every_stacked_muon_matrix_in_its_loop():
@@ -213,23 +269,39 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
 # moves every element of a layer's matrix and the distances between runs are heavy-tailed. Four
 # starts' widest pair can fall below a fused run's distance (measured for the head at
 # --xla_backend_optimization_level=0: 1.4e-5 from four starts, 1.6e-4 from eight, the fused run
-# 4.9e-5), while a learning rate 5 % off stays tens of times beyond eight starts' widest
-# (test_the_low_bit_muon_check_rejects_a_learning_rate_five_percent_off).
+# 4.9e-5). In 8 bits the width of the stacked matrices' runs is 1e-2 to 4.3e-2 of how far they
+# move in 20 steps (still 0.7e-2 to 1.4e-2 in 10, 0.4e-2 to 1e-2 in 5), beyond the cap
+# (models.SPREAD_CAP) under which the check can tell a learning rate 1 % off: the check judges
+# those leaves only where the fused run is within the tolerance of the reference (with the layer
+# axis at 0, bit for bit here), and refuses them otherwise.
 MUON_NUDGES = (1, -1, 2, -2, 3, -3, 4)
 LOW_BIT_CASES = [pytest.param(0, 8, id="axis0-8bit"),
                  pytest.param(1, 8, id="axis1-8bit", marks=pytest.mark.slow),
                  pytest.param(0, 4, id="axis0-4bit", marks=pytest.mark.slow)]
+# With the layer axis at 1 XLA contracts the fused step differently: its 8-bit matrices leave
+# the tolerance, and their reference is too chaotic to judge them (measured here: the check
+# refuses it; another processor may round the two alike).
+UNJUDGED = pytest.mark.xfail(raises=models.SpreadTooWide, strict=False, reason=(
+    "8-bit Muon's reference spread exceeds models.SPREAD_CAP on matrices the fused run does "
+    "not match within the tolerance: the spread check cannot judge it"))
+TRAINS_LIKE_CASES = [pytest.param(*case.values, id=case.id,
+                                  marks=(*case.marks, *((UNJUDGED,) if case.id == "axis1-8bit"
+                                                        else ())))
+                     for case in LOW_BIT_CASES]
 
 
-def _low_bit_muon(layer_axis: int = 0, bits: int = 8) -> optax.GradientTransformation:
-  return optfuse.low_bit(_muon(layer_axis), bits, min_size=0)  # the test's matrices are small
+def low_bit_muon(layer_axis: int = 0, bits: int = 8, fault=lambda tx: tx
+                 ) -> optax.GradientTransformation:
+  """Muon with its momentum in ``bits`` bits, and ``fault`` (tests/faults.py) injected into the
+  Muon that ``low_bit`` wraps."""
+  return optfuse.low_bit(fault(_muon(layer_axis)), bits, min_size=0)  # the matrices are small
 
 
 def _momentum(state) -> dict:
   return state.inner_states["muon"].inner_state[0].mu
 
 
-def _low_bit_reference(tx, layer_axis: int = 0, steps: int = 20, microbatches=None):
+def low_bit_reference(tx, layer_axis: int = 0, steps: int = 20, microbatches=None):
   """The unfused low-bit run from the params moved by ``ulps``, as ``(losses, params)``: one
   compile for every start."""
   fx = optfuse.fuse(tx, mode="off")
@@ -245,7 +317,7 @@ def _low_bit_reference(tx, layer_axis: int = 0, steps: int = 20, microbatches=No
 
 @pytest.mark.parametrize("layer_axis,bits", [(0, 8), (1, 8), (0, 4)])
 def test_describe_puts_the_matrices_of_low_bit_muon_in_their_loop(layer_axis, bits):
-  tx = _low_bit_muon(layer_axis, bits)
+  tx = low_bit_muon(layer_axis, bits)
   momentum = _momentum(tx.init(decoder_params(layer_axis)))
   assert all(isinstance(momentum["layers"][name], optfuse.QuantizedSlot) for name in DIMS)
   where = optfuse.describe(tx, _loss(layer_axis), decoder_params(layer_axis), *_batches()[0])
@@ -271,35 +343,41 @@ def test_low_bit_keeps_muons_newton_schulz_coefficients_as_they_are():
   assert isinstance(_momentum(state)["w"], optfuse.QuantizedSlot)
 
 
-@pytest.mark.parametrize("layer_axis,bits", LOW_BIT_CASES)
+@pytest.mark.parametrize("layer_axis,bits", TRAINS_LIKE_CASES)
 def test_backward_fused_low_bit_muon_trains_like_the_unfused_low_bit_muon(layer_axis, bits):
-  tx = _low_bit_muon(layer_axis, bits)
+  tx = low_bit_muon(layer_axis, bits)
   got = models.run_fused(tx, "backward", decoder_params(layer_axis), _batches(), 20,
                          _loss(layer_axis))
-  models.assert_same_low_bit_trajectory(got[:2], _low_bit_reference(tx, layer_axis),
-                                        MUON_NUDGES)
+  models.assert_same_low_bit_trajectory(got[:2], low_bit_reference(tx, layer_axis),
+                                        start=decoder_params(layer_axis), nudges=MUON_NUDGES)
 
 
-def test_the_low_bit_muon_check_rejects_a_learning_rate_five_percent_off():
-  wrong = optfuse.low_bit(optax.contrib.muon(LR * 1.05, muon_weight_dimension_numbers=muon_dims()),
-                          8, min_size=0)
-  got = _low_bit_reference(wrong)(0)
-  with pytest.raises(AssertionError, match="beyond"):
-    models.assert_same_low_bit_trajectory(got, _low_bit_reference(_low_bit_muon()), MUON_NUDGES)
+@pytest.mark.parametrize("layer_axis,bits", LOW_BIT_CASES)
+def test_the_low_bit_muon_check_rejects_each_error_injected_into_the_backward_fused_step(
+    layer_axis, bits):
+  """Judged against the spread that passes the fused run
+  (test_backward_fused_low_bit_muon_trains_like_the_unfused_low_bit_muon)."""
+  spread = models.reference_spread(low_bit_reference(low_bit_muon(layer_axis, bits), layer_axis),
+                                   decoder_params(layer_axis), MUON_NUDGES)
+  for name, fault in muon_faults(layer_axis).items():
+    got = models.run_fused(low_bit_muon(layer_axis, bits, fault), "backward",
+                           decoder_params(layer_axis), _batches(), 20, _loss(layer_axis))
+    models.assert_rejected(got[:2], spread, name)
 
 
 def test_offloaded_low_bit_muon_momentum_lives_on_the_host_and_trains_like_the_unfused_step():
-  tx = _low_bit_muon()
+  tx = low_bit_muon()
   fx = optfuse.fuse(tx, mode="backward", offload="state")
   momentum = _momentum(fx.init(decoder_params()))["layers"]
   assert {x.sharding.memory_kind for name in DIMS for x in momentum[name]} == {"pinned_host"}
   got = _run(fx)
-  models.assert_same_low_bit_trajectory(got[:2], _low_bit_reference(tx), MUON_NUDGES)
+  models.assert_same_low_bit_trajectory(got[:2], low_bit_reference(tx), start=decoder_params(),
+                                        nudges=MUON_NUDGES)
 
 
 @pytest.mark.slow
 def test_low_bit_muon_with_microbatches_trains_like_the_unfused_microbatched_step():
-  tx = _low_bit_muon()
+  tx = low_bit_muon()
   got = _run(optfuse.fuse(tx, mode="backward"), microbatches=2)
-  models.assert_same_low_bit_trajectory(got[:2], _low_bit_reference(tx, microbatches=2),
-                                        MUON_NUDGES)
+  models.assert_same_low_bit_trajectory(got[:2], low_bit_reference(tx, microbatches=2),
+                                        start=decoder_params(), nudges=MUON_NUDGES)

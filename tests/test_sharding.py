@@ -7,7 +7,9 @@ layout (data parallel: batch sharded, params replicated; FSDP: params and optimi
 sharded along "fsdp", batch along "data"), a model (unrolled MLP, MLP scanned over stacked
 layers) and a mesh axis type (Auto, Explicit). The default suite runs two configurations that
 together cover both layouts, both models and both axis types; the rest, and the run of
-``examples/data_parallel.py``, are slow.
+``examples/data_parallel.py``, are slow. On the FSDP configuration the worker also trains
+backward fusion of each wrong optimizer of ``tests/faults.py``, which the criterion that passes
+the fused steps must reject.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import _sharding_worker as worker  # noqa: E402
 
+from tests import criteria  # noqa: E402
+
 WORKER = Path(__file__).parent / "_sharding_worker.py"
 STEPS = 50
 DEFAULT_CONFIGS = ("fsdp/scan/auto", "data_parallel/mlp/explicit")
@@ -34,6 +38,8 @@ SLOW_CONFIGS = tuple(c for c in worker.ALL_CONFIGS if c not in DEFAULT_CONFIGS)
 CONFIGS = ([pytest.param(c, id=c) for c in DEFAULT_CONFIGS]
            + [pytest.param(c, id=c, marks=pytest.mark.slow) for c in SLOW_CONFIGS])
 FUSED = ("backward", "forward", "backward_offload")
+# Where the worker also trains backward fusion of each wrong optimizer of tests/faults.py.
+FAULT_CONFIG = "fsdp/scan/auto"
 
 
 def _run_worker(configs: tuple[str, ...], out: Path) -> tuple[dict, dict]:
@@ -41,7 +47,7 @@ def _run_worker(configs: tuple[str, ...], out: Path) -> tuple[dict, dict]:
              JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, str(WORKER), str(out), "--configs", ",".join(configs),
-       "--steps", str(STEPS)],
+       "--steps", str(STEPS), "--faults", FAULT_CONFIG],
       env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return json.loads((out / "report.json").read_text()), dict(np.load(out / "results.npz"))
@@ -91,12 +97,6 @@ def _only(arrays: dict, impl: str) -> dict:
   return {k[len(impl) + 1:]: v for k, v in arrays.items() if k.startswith(f"{impl}/")}
 
 
-def _assert_same_training(got: dict, want: dict, rtol: float, atol: float) -> None:
-  assert sorted(got) == sorted(want)
-  for key in want:
-    np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=atol, err_msg=key)
-
-
 @pytest.mark.parametrize("impl", FUSED)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fused_on_eight_devices_matches_optax_on_eight_and_on_one(config, impl, eight_devices):
@@ -105,11 +105,22 @@ def test_fused_on_eight_devices_matches_optax_on_eight_and_on_one(config, impl, 
   _impl(report, impl)
   optax_8 = _only(arrays, "optax")
   # Same mesh, same collectives: only XLA's fusion of the update differs (a few ulps).
-  _assert_same_training(_only(arrays, impl), optax_8, rtol=1e-5, atol=1e-6)
+  criteria.assert_matches_optax(_only(arrays, impl), optax_8)
   # One device sums the batch gradient in another order than eight do; adamw carries those
   # float32 rounding differences through 50 steps.
-  _assert_same_training(optax_8, _optax_on_one_device(config.split("/")[1]), rtol=1e-4,
-                        atol=1e-5)
+  criteria.assert_matches_optax(optax_8, _optax_on_one_device(config.split("/")[1]), rtol=1e-4,
+                                atol=1e-5)
+
+
+@pytest.mark.parametrize("fault", worker.FAULTED)
+def test_fsdp_criterion_rejects_an_error_injected_into_the_fused_step_only(fault, eight_devices):
+  # tests/test_fault_rejection.py does the same for the criteria of one device.
+  report, arrays = eight_devices(FAULT_CONFIG)
+  _impl(report, fault)
+  got, want = _only(arrays, fault), _only(arrays, "optax")
+  with pytest.raises(AssertionError):
+    criteria.assert_matches_optax(got, want)
+  assert criteria.matches_optax_distance(got, want)[0] >= criteria.REJECTED_BY
 
 
 @pytest.mark.parametrize("impl", ("optax", *FUSED))

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import optfuse
+from optfuse._analysis import _fit
 from optfuse._targets import _registry
 
 needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
@@ -58,3 +59,26 @@ def test_a_model_far_smaller_than_the_chip_answers_the_cap_on_one_chip_in_three_
   (row,) = report
   assert (row.target, row.chips, row.batch_per_chip, row.capped) == ("tpu-v5e", 1, 64, True)
   assert report.compiles == 3 and "64 (the cap)" in str(report)
+
+
+def test_every_step_is_searched_with_the_options_given_in_its_own_mode_and_offload(monkeypatch):
+  searched = {}
+
+  def max_batch_size(loss_fn, tx, params, args_for, budget_bytes, *, modes, options, **kwargs):
+    (mode,) = modes
+    searched[(mode, options.offload)] = options.for_mode(mode)
+    return _fit.FitReport({mode: 4}, {mode: {4: 100}}, {}, 1000)
+
+  monkeypatch.setattr(_fit, "max_batch_size", max_batch_size)
+  guarded = optfuse.FuseOptions(guard=True)
+  _plan(targets=("tpu-v5e",), layouts=("data",), options=guarded)
+  assert searched == {("off", None): optfuse.FuseOptions("off"),
+                      ("backward", None): guarded,
+                      ("backward", "state"): optfuse.FuseOptions(offload="state", guard=True)}
+  # Two-pass runs without offload, as fuse says: that step is unavailable, with fuse's error.
+  report = _plan(targets=("tpu-v5e",), layouts=("data",),
+                 options=optfuse.FuseOptions(global_ops="two_pass"))
+  offloaded = next(row for row in report if row.step == "backward + offload")
+  assert offloaded.unavailable.startswith("OffloadError: offload=\"state\" runs")
+  with pytest.raises(optfuse.OptionsError, match="must be an optfuse.FuseOptions"):
+    _plan(targets=("tpu-v5e",), options={"mode": "backward"})

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from optfuse import _fuse
-from optfuse._base import _leaves, _memory_spaces
-from optfuse._base._errors import NonSeparableError
+from optfuse._base import _checks, _leaves, _memory_spaces
+from optfuse._base._errors import NonSeparableError, OptionsError
+from optfuse._base._options import FuseOptions
 from optfuse._optimizers import _muon_dims
 from optfuse._plan import _make, _row_checks
 
@@ -53,15 +54,26 @@ class Placements(dict):
                      for path, where in self.items())
 
 
-def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
+def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None = None,
+             microbatches: int | None = None, **kwargs) -> Placements:
   """Says where each parameter leaf is updated, without running anything.
 
+  The step described is traced (``jax.eval_shape``, nothing compiled or run: the memory guard
+  aside) and reports what its trace placed where: the same step ``value_and_update(loss_fn,
+  microbatches=microbatches)`` builds, with the same options.
+
   Args:
-    tx: a ``FusedTransformation`` (the placements of its step: the engine of its ``options``),
-      or an optax transformation (those of ``optfuse.fuse(tx)``'s step: backward mode).
-    loss_fn: ``loss_fn(params, *args, **kwargs)``.
+    tx: a ``FusedTransformation`` (the placements of its own step), or an optax transformation
+      (those of ``optfuse.fuse(tx, options=options)``'s step).
+    loss_fn: ``loss_fn(params, *args, **kwargs)``; whether it returns ``(loss, aux)`` is read
+      from its abstract output.
     params: params or their ``jax.ShapeDtypeStruct`` values.
     *args: the loss's other arguments (arrays or ``jax.ShapeDtypeStruct`` values).
+    options: the ``FuseOptions`` of the step (a reserved keyword, not passed to ``loss_fn``):
+      for an optax ``tx``, ``None`` is ``fuse``'s default (backward mode); for a
+      ``FusedTransformation``, ``None`` or its own ``options``.
+    microbatches: the step's microbatches, as given to ``value_and_update`` (a reserved
+      keyword too): the update then runs once, outside the loop over microbatches.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -69,11 +81,13 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     whose ``reasons`` say, for every leaf a scan reads as its stacked input and that is not
     updated inside the loop, why (read twice, inside a ``while_loop``, the loop too short, given
     up by the memory guard (``fuse(..., guard=True)``, with both peaks), the
-    update mixes rows...). Backward mode:
+    update mixes rows, microbatches...). Backward mode:
     ``"loop"`` (row by row inside the backward loop of a scan, in place) or ``"tap"`` (in the
     backward pass once its whole gradient is complete). Forward mode: ``"loop"`` (row by row
     inside the forward loop of a scan, in place, just before the layer runs), ``"rows"`` (row
-    by row in place before the loss) or ``"leaf"`` (whole, before the loss). Mode "off":
+    by row in place before the loss) or ``"leaf"`` (whole, before the loss). With
+    ``microbatches``, backward and forward mode: ``"rows"`` (row by row in place) or ``"leaf"``
+    (whole), once, after the loop over the microbatches (before it in forward mode). Mode "off":
     ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged). Its
     ``state`` says where each leaf's optimizer-state slots live: ``"host"`` with
     ``offload="state"`` (or ``"params"``), else ``"device"``; its ``params`` where each float
@@ -86,6 +100,9 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
 
   Raises:
     NonSeparableError: ``tx`` cannot run in backward mode (without ``global_ops="two_pass"``).
+    OptionsError: ``options`` contradicts those of a ``FusedTransformation``.
+    MicrobatchError: ``microbatches`` is not a positive int or ``None``, or an argument's
+      leading axis is not divisible by it.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -95,24 +112,27 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
     >>> params = {"layers": jnp.zeros((4, 3, 3)), "head": jnp.zeros((3,))}
     >>> optfuse.describe(optax.adam(1e-3), loss, params, jnp.ones(3))
     {"['head']": 'tap', "['layers']": 'loop'}
+    >>> optfuse.describe(optax.adam(1e-3), loss, params, jnp.ones((2, 3)), microbatches=2)
+    {"['head']": 'leaf', "['layers']": 'leaf'}
   """
-  # The engine of the step described, from its options: ``fuse(tx)``'s for a plain optax ``tx``.
-  fx = tx if isinstance(tx, _fuse.FusedTransformation) else _fuse.fuse(tx)
-  engine = _fuse.make_engine(fx.tx, fx.options)
+  fx = _fused(tx, options)
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   params = jax.tree.map(spec, params)
   args, kwargs = jax.tree.map(spec, (args, kwargs))
+  step = fx.value_and_update.placed(loss_fn, _checks.returns_pair(loss_fn, params, args, kwargs),
+                                    microbatches)
   leaves = jax.tree.leaves(params)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   found: list = []
-  # ``init`` in the same trace: its state keeps its memory space (the host-resident slots and
-  # pending gradient of ``offload="state"``), which ``eval_shape``'s outputs drop.
-  jax.eval_shape(lambda p, a, kw: found.append(engine.placements(loss_fn, p, engine.init(p), a,
-                                                                 kw)),
+  # The step's own trace, its state from ``init`` in the same trace: the state keeps its memory
+  # space (the host-resident slots and pending gradient of ``offload="state"``), which
+  # ``eval_shape``'s outputs drop.
+  jax.eval_shape(lambda p, a, kw: found.append(step(p, fx.init(p), *a, **kw)[1]),
                  params, args, kwargs)
   placed, reasons = found[0]
+  unplaced = fx.value_and_update.engine.unplaced
   diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
-  label = lambda i: placed.get(i, engine.unplaced) if i in diff else "carried"
+  label = lambda i: placed.get(i, unplaced) if i in diff else "carried"
   offload = fx.offload is not None
   # The leaves a scan reads as its stacked input: those in a loop, and those with a reason.
   stacked = {i for i in diff if placed.get(i) == "loop" or i in reasons}
@@ -121,10 +141,23 @@ def describe(tx, loss_fn: Callable, params, *args, **kwargs) -> Placements:
   return Placements({path: label(i) for i, path in enumerate(paths)},
                     {paths[i]: why for i, why in reasons.items()
                      if i in diff and placed.get(i) != "loop"},
-                    _state_memory(engine.tx, params, paths, diff, offload),
+                    _state_memory(fx.tx, params, paths, diff, offload),
                     {paths[i]: why for i, why in warnings.items()},
                     {paths[i]: "host" if fx.offload == "params" and label(i) == "loop"
                      else "device" for i in sorted(diff)})
+
+
+def _fused(tx, options: FuseOptions | None) -> _fuse.FusedTransformation:
+  """The fused transformation whose step is described: ``tx`` itself, or ``fuse(tx, options=
+  options)`` for an optax transformation."""
+  if not isinstance(tx, _fuse.FusedTransformation):
+    return _fuse.fuse(tx, options=options)
+  if options is not None and options != tx.options:
+    raise OptionsError(
+        f"describe was given options={options!r} and a fused transformation whose options are "
+        f"{tx.options!r}: it describes that transformation's step. Drop options, or describe "
+        "the optax transformation (fx.tx) with the options you want.")
+  return tx
 
 
 def _state_memory(tx, params, paths: list[str], diff: set[int], offload: bool

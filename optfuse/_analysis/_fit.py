@@ -24,8 +24,9 @@ import optax
 
 from optfuse import _fuse
 from optfuse._analysis import _memory
-from optfuse._base import _checks
+from optfuse._base import _checks, _options
 from optfuse._base._errors import BudgetError
+from optfuse._base._options import FuseOptions
 from optfuse._targets import _registry
 
 # Decimal units as XLA and ``format_bytes`` print them, binary ones as allocators count.
@@ -303,8 +304,9 @@ def resolve_budget(budget_bytes: int | float | str | None, target: _registry.Tar
 def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: Any,
                    args_for: Callable[[int], Any], budget_bytes: int | float | str | None = None,
                    *, target: Any = None, modes: Sequence[str] | None = None,
-                   global_ops: str | None = None, microbatches: int | None = None,
-                   offload: str | None = None, state_bits: int | None = None,
+                   options: FuseOptions | None = None, global_ops: str | None = None,
+                   microbatches: int | None = None, offload: str | None = None,
+                   guard: bool | None = None, state_bits: int | None = None,
                    max_batch: int | None = None, progress: bool = True) -> FitReport:
   """The largest batch whose compiled training step fits ``budget_bytes``, per mode.
 
@@ -312,7 +314,9 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
   for ``params``, ``fx.init``'s state and ``args_for(b)``, compiled for the default backend or
   ``target``, and its peak (``argument + temp + output - alias`` bytes, as in
   ``optfuse.memory_report``) compared with the budget. A batch the compiler refuses for want of
-  memory (the TPU compiler checks its HBM) does not fit. The search compiles batches 1 and 2, then
+  memory (the TPU compiler checks its HBM) does not fit. Every mode is compiled with the options
+  given, in that mode (``FuseOptions.for_mode``), as ``memory_report`` compiles them. The search
+  compiles batches 1 and 2, then
   aims at the budget along the secant of the measured peaks (close to affine in the batch), kept
   strictly inside the bracket of batches known to fit and not to: about four compiles per mode,
   each (mode, b) compiled once. Nothing is allocated or run, so ``params`` and the arguments may
@@ -342,9 +346,14 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
       batch is split over them (data parallel): ``b`` is the global batch, and only multiples
       of the device count are searched (a batch that does not split would run replicated).
     modes: the modes to search, by default "off", "backward" and "forward".
-    global_ops: passed to ``optfuse.fuse`` (``"two_pass"`` lets backward mode run clipping).
+    options: the ``FuseOptions`` of the fused steps, in place of ``global_ops``, ``offload``
+      and ``guard``; its ``mode`` is not read (``modes`` are searched).
+    global_ops: passed to ``optfuse.fuse`` in backward mode (``"two_pass"`` lets it run
+      clipping; the other modes run it without).
     offload: passed to ``optfuse.fuse``: ``"state"`` searches the steps whose optimizer state
       lives in host memory; the budget bounds device memory.
+    guard: passed to ``optfuse.fuse`` in backward mode: ``True`` searches the step whose loops
+      are kept only where they lower the peak on ``target``.
     state_bits: 8 or 4 searches ``optfuse.low_bit(tx, bits=state_bits)`` (the state's slots in
       8 or 4 bits); ``None`` or 32 searches ``tx`` as it is.
     microbatches: passed to ``fx.value_and_update``: each step splits its arguments into this
@@ -370,6 +379,10 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
       the search), or ``max_batch`` is not an int at least the smallest batch searched.
     TargetError: ``target`` is unknown or its compiler is not installed.
     UnknownModeError: a mode or ``global_ops`` that ``optfuse.fuse`` does not know.
+    OffloadError, GuardError: the options make a combination that does not run, as
+      ``optfuse.fuse`` raises them (backward mode's: ``guard`` and ``global_ops`` are backward
+      mode's options).
+    OptionsError: ``options`` is given with a keyword that contradicts it.
     MicrobatchError: ``microbatches`` is not a positive int or ``None``.
     LowBitError: ``state_bits`` is not ``None``, 32, 8 or 4.
 
@@ -386,14 +399,18 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
     >>> peaks[fit["backward"]] <= 4_000_000 < peaks[fit.next_batch("backward")]
     True
   """
+  given = _options.resolve(options, global_ops=global_ops, offload=offload, guard=guard)
   resolved = _registry.resolve(target)
   tx = _memory.with_state_bits(tx, state_bits)
   budget, source = resolve_budget(budget_bytes, resolved)
-  unit = _checks.check_microbatches(microbatches) * (1 if resolved is None else
+  unit = given.check_microbatches(microbatches) * (1 if resolved is None else
                                                      len(resolved.devices))
   cap = _cap(max_batch, unit)
   modes = (modes,) if isinstance(modes, str) else tuple(_memory.MODES if modes is None else modes)
-  fused = lambda mode: _fuse.fuse(tx, mode=mode, global_ops=global_ops, offload=offload)
+  for mode in modes:  # an unknown mode is refused before anything compiles
+    if mode not in _options.MODES:
+      given.for_mode(mode)
+  fused = lambda mode: _fuse.fuse(tx, options=given.for_mode(mode))
   if _args_bytes(_as_args(args_for(2 * unit))) <= _args_bytes(_as_args(args_for(unit))):
     raise BudgetError(
         f"args_for({2 * unit}) returns arguments no larger than args_for({unit}), so the step's "

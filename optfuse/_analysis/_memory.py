@@ -26,8 +26,9 @@ import optax
 
 from optfuse import _fuse
 from optfuse._analysis import _params_memory
-from optfuse._base import _checks
+from optfuse._base import _checks, _options
 from optfuse._base._errors import LowBitError, NonSeparableError, OffloadError
+from optfuse._base._options import FuseOptions
 from optfuse._low_bit import _transform as _low_bit
 from optfuse._targets import _backends, _inputs, _registry
 from optfuse._targets._compiled import FIELDS, HOST_FIELDS, DoesNotFit, compile_memory, format_bytes
@@ -268,15 +269,18 @@ def target_budget(target: _registry.Target | None) -> tuple[str, int | None, str
 
 
 def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: Any, *args: Any,
-                  target: Any = None, offload: str | None = None, guard: bool = False,
+                  target: Any = None, options: FuseOptions | None = None,
+                  offload: str | None = None, guard: bool | None = None,
                   state_bits: int | None = None, global_ops: str | None = None,
-                  **kwargs: Any) -> MemoryReport:
+                  microbatches: int | None = None, **kwargs: Any) -> MemoryReport:
   """Compiled memory of the optax step and of the fused steps, without running anything.
 
   Each mode's step is ``jax.jit(fx.value_and_update(loss_fn), donate_argnums=(0, 1))`` lowered
   for ``params``, ``fx.init``'s state and ``args``/``kwargs``, then compiled for the default
   backend or for ``target``. Whether ``loss_fn`` returns ``(loss, aux)`` is read from its
-  abstract output.
+  abstract output. Every mode is compiled with the options given, in that mode
+  (``FuseOptions.for_mode``: ``global_ops`` and ``guard``, which only backward mode reads, are
+  left out of the others), as ``max_batch_size`` compiles them.
 
   Args:
     loss_fn: ``loss_fn(params, *args, **kwargs)``, as given to ``fx.value_and_update``.
@@ -288,6 +292,9 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       ("tpu-v5e", "tpu-v5e:2x2", "h100", "t4"...), a ``jax.sharding.Mesh``, a
       ``TopologyDescription`` or a sequence of devices. Memory is per device; on several
       devices the step is data parallel unless the inputs carry their own shardings.
+    options: the ``FuseOptions`` of the fused steps (a reserved keyword too), in place of
+      ``offload``, ``guard`` and ``global_ops``; its ``mode`` is not read (every mode is
+      compiled).
     offload: ``"state"`` compiles every mode with ``optfuse.fuse(tx, mode,
       offload="state")`` (a reserved keyword too): the state's slots in host memory, reported
       apart as ``host_bytes``; ``"params"`` the fused modes with the param stacks of their
@@ -298,6 +305,8 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       too): the state's slots in 8 or 4 bits; ``None`` or 32 plans ``tx`` as it is.
     global_ops: passed to ``optfuse.fuse`` (a reserved keyword too): ``"two_pass"`` compiles
       backward mode as two passes, so a clipped ``tx`` reports a backward row.
+    microbatches: passed to ``fx.value_and_update`` (a reserved keyword too): each step splits
+      its arguments into this many microbatches along their leading axis.
     **kwargs: keyword arguments of ``loss_fn``.
 
   Returns:
@@ -314,6 +323,11 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     TargetError: ``target`` is unknown or its compiler is not installed (the message names the
       pip extra that installs it).
     LowBitError: ``state_bits`` is not ``None``, 32, 8 or 4.
+    UnknownModeError, OffloadError, GuardError: the options make a combination that does not
+      run, as ``optfuse.fuse`` raises them (backward mode's: ``guard`` and ``global_ops``
+      are backward mode's options).
+    OptionsError: ``options`` is given with a keyword that contradicts it.
+    MicrobatchError: ``microbatches`` is not a positive int or ``None``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -324,15 +338,17 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     >>> report["off"]["argument_bytes"] >= 3 * 512 * 512 * 4  # params, mu and nu
     True
   """
+  given = _options.resolve(options, global_ops=global_ops, offload=offload, guard=guard)
+  given.check_microbatches(microbatches)
   resolved = _registry.resolve(target)
   tx = with_state_bits(tx, state_bits)
   has_aux = loss_has_aux(loss_fn, params, *args, **kwargs)
   rows, unavailable, refused = {}, {}, {}
   for mode in MODES:
     try:
-      fx = _fuse.fuse(tx, mode=mode, offload=offload, guard=guard and mode == "backward",
-                      global_ops=global_ops if mode == "backward" else None)
-      memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=resolved)
+      fx = _fuse.fuse(tx, options=given.for_mode(mode))
+      memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=resolved,
+                           microbatches=microbatches)
     except UNAVAILABLE_ERRORS as e:
       unavailable[mode] = f"{type(e).__name__}: {e}"
       continue

@@ -15,6 +15,7 @@ slice's peak per chip is no lower).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -24,7 +25,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from optfuse._analysis import _fit, _memory
 from optfuse._base import _checks
-from optfuse._base._errors import BudgetError, TargetError, UnknownModeError
+from optfuse._base._errors import (
+  BudgetError,
+  OffloadError,
+  OptionsError,
+  TargetError,
+  UnknownModeError,
+)
+from optfuse._base._options import FuseOptions
 from optfuse._low_bit import _transform as _low_bit
 from optfuse._targets import _registry
 
@@ -148,7 +156,11 @@ def _first_fit(kind: str, layout: str, step: str, slices: Sequence[_registry.Tar
   mode = STEPS[step][0]
   budget, tried = None, []
   for target in slices:
-    fit = search(target, layout, step)
+    try:
+      fit = search(target, layout, step)
+    except OffloadError as e:  # the step's options do not run: no slice would change that
+      return SliceFit(kind, layout, step, None, 0, 0, None, budget, tuple(tried),
+                      _memory.error_line(e))
     budget = fit.budget_bytes
     tried.append(target.name)
     if mode in fit.unavailable:
@@ -181,7 +193,7 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
                     budget_bytes: int | str | None = None,
                     shard_axis: Callable[[tuple, int], int | None] = fsdp_axis,
                     state_bits: int | None = None, max_batch_per_chip: int | None = None,
-                    progress: bool = True) -> SliceReport:
+                    options: FuseOptions | None = None, progress: bool = True) -> SliceReport:
   """For each kind of chip among ``targets``, the fewest chips on which each step fits.
 
   Every slice is compiled for, never run: a step fits a slice when its compiled peak per chip at
@@ -210,6 +222,10 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
     max_batch_per_chip: the largest batch per chip to search: a step that fits it there
       answers it (``SliceFit.capped``) without compiling larger batches, which bounds the
       compiles for a model far smaller than the chips. ``None``: no cap.
+    options: the ``FuseOptions`` every step is compiled with (``global_ops``, ``guard``), in
+      the mode and with the ``offload`` the step names (``max_batch_size``'s
+      ``FuseOptions.for_mode``); ``None``: ``FuseOptions()``. A step its options refuse
+      (``offload`` with ``global_ops``) is reported unavailable.
     progress: show ``max_batch_size``'s progress bar during long searches.
 
   Returns:
@@ -222,6 +238,7 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
     UnknownModeError: an unknown step.
     LowBitError: ``state_bits`` other than ``None``, 8 or 4.
     BudgetError: ``max_batch_per_chip`` is not a positive int.
+    OptionsError: ``options`` is not a ``FuseOptions``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -238,9 +255,12 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
     params, args_for, ["tpu-v5e", "tpu-v5e:2x2"]))`` prints the table (docs/targets.md).
   """
   _check(layouts, steps)
+  if options is not None and not isinstance(options, FuseOptions):
+    raise OptionsError(f"options must be an optfuse.FuseOptions, not {options!r}.")
   if max_batch_per_chip is not None and not _checks.is_positive_int(max_batch_per_chip):
     raise BudgetError(f"max_batch_per_chip must be a positive int or None (no cap), got "
                       f"{max_batch_per_chip!r}.")
+  base = FuseOptions() if options is None else options
   tx = tx if state_bits is None else _low_bit.low_bit(tx, bits=state_bits)
   kinds = _by_kind(targets)
   cache: dict[tuple, _fit.FitReport] = {}
@@ -252,7 +272,8 @@ def smallest_slices(loss_fn: Callable, tx: optax.GradientTransformation, params:
       mode, offload = STEPS[step]
       placed = params if layout == "data" or single else _fsdp(params, target, shard_axis)
       cache[key] = _fit.max_batch_size(loss_fn, tx, placed, args_for, budget_bytes,
-                                       target=target, modes=(mode,), offload=offload,
+                                       target=target, modes=(mode,),
+                                       options=dataclasses.replace(base, offload=offload),
                                        max_batch=None if max_batch_per_chip is None else
                                        max_batch_per_chip * len(target.devices),
                                        progress=progress)

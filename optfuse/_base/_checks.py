@@ -14,7 +14,6 @@ import optax
 
 from optfuse._base._errors import (
     LossOutputError,
-    MicrobatchError,
     ParamsStructureError,
     StateMismatchError,
 )
@@ -92,14 +91,6 @@ def check_state(tx: optax.GradientTransformation, params, state) -> None:
 def is_positive_int(value) -> bool:
   """Whether ``value`` is an int of at least 1 (``True`` and ``False`` are not)."""
   return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def check_microbatches(microbatches) -> int:
-  if microbatches is None:
-    return 1
-  if not is_positive_int(microbatches):
-    raise MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
-  return microbatches
 
 
 def check_loss(value, has_aux: bool):

@@ -33,6 +33,16 @@ class UnknownModeError(OptfuseError, ValueError):
   """``fuse`` was called with a mode other than "backward", "forward" or "off"."""
 
 
+class OptionsError(OptfuseError, ValueError):
+  """Two values of the same fusion option that disagree.
+
+  Raised when an entry point is given an ``options=`` value and a keyword that contradicts it
+  (``fuse(tx, mode="off", options=FuseOptions("forward"))``), or when ``train_step`` is given
+  options that contradict those an ``optfuse.linen.TrainState`` was created with (its
+  ``opt_state`` was built for its own). Pass the options once.
+  """
+
+
 class MicrobatchError(OptfuseError, ValueError):
   """The step's arguments cannot be split into the requested number of microbatches."""
 

@@ -1,30 +1,119 @@
 """The options of a fused step as one value, validated once where it is made.
 
-``optfuse.fuse(tx, mode, global_ops, offload, guard)`` makes a ``FuseOptions`` of its keyword
-arguments; ``train_step``, the Flax adapters, the engines and ``describe`` pass that value on,
-so every layer sees options that were checked once, together, and a step and its description
-are built from the same value.
+Every entry point takes a ``FuseOptions`` (``options=``), or its keyword arguments as a shorthand
+that builds one (``resolve``): ``optfuse.fuse``, ``train_step``, the Flax adapters, ``describe``,
+``memory_report``, ``max_batch_size`` and ``smallest_slices``. The engines and the reports are
+built from that value, so every layer sees options that were checked once, together, by one
+table (``refusal``), and a step and its description are built from the same value.
+
+``microbatches`` is not a field of the value: the state and the engine of a fused
+transformation are the same for every number of microbatches, which each step chooses
+(``value_and_update(loss_fn, microbatches=k)``). The table covers it all the same: the entry
+points that build or describe a step take it beside the options and check the two together
+(``FuseOptions.check_microbatches``); ``guard=True`` is refused with microbatches, whose update
+runs in no loop of the loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator
 
-from optfuse._base._errors import GuardError, OffloadError, UnknownModeError
+from optfuse._base._checks import is_positive_int
+from optfuse._base._errors import (
+  GuardError,
+  MicrobatchError,
+  OffloadError,
+  OptfuseError,
+  OptionsError,
+  UnknownModeError,
+)
 
 # What each option accepts.
 MODES = ("backward", "forward", "off")
 GLOBAL_OPS = (None, "two_pass")
 OFFLOADS = (None, "state", "params")
+GUARDS = (False, True)
+
+
+def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError | None:
+  """The table of what runs: the named error a combination of options raises, or ``None``.
+
+  Args:
+    mode: "backward", "forward" or "off".
+    global_ops: ``None`` or "two_pass".
+    offload: ``None``, "state" or "params".
+    guard: ``True`` or ``False``.
+    microbatches: ``None`` or a positive int, the step's (``value_and_update``'s).
+
+  Returns:
+    ``None`` when the combination runs; else the error, not raised, whose message names the
+    option and what to pass instead: ``UnknownModeError`` (a mode or ``global_ops`` that does
+    not exist), ``OffloadError`` (an unknown ``offload``, an ``offload`` with ``global_ops``,
+    ``offload="params"`` in mode "off" or with microbatches), ``GuardError`` (a ``guard``
+    that is not a bool, ``True`` outside backward mode, or ``True`` with microbatches),
+    ``MicrobatchError`` (``microbatches`` is not a positive int or ``None``).
+  """
+  if mode not in MODES:
+    return UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
+  if global_ops not in GLOBAL_OPS:
+    return UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
+  if offload not in OFFLOADS:
+    return OffloadError(f'unknown offload {offload!r}; use None, "state" or "params".')
+  if offload == "params" and mode == "off":
+    return OffloadError(
+        'offload="params" streams params through the fused loops of modes "backward" and '
+        '"forward", and mode="off" has none. Use offload="state" (or a fused mode).')
+  if offload is not None and global_ops is not None and mode == "forward":
+    # forward fusion runs global transforms without global_ops
+    return OffloadError(
+        f'offload={offload!r} runs without global_ops, and mode="forward" needs none: it runs '
+        f'global transforms exactly, with the pending gradient streamed too. Drop '
+        f'global_ops={global_ops!r}.')
+  if offload is not None and global_ops is not None:
+    return OffloadError(
+        f'offload={offload!r} runs in modes "backward" and "forward" (and "state" in "off") '
+        f'without global_ops, not in mode={mode!r} with global_ops={global_ops!r}. For global '
+        'clipping with offloaded state use mode="forward", which streams the pending gradient '
+        'too.')
+  if not isinstance(guard, bool):
+    return GuardError(f"guard must be True or False, not {guard!r}.")
+  if guard and mode != "backward":
+    return GuardError(f'guard=True guards the loops of mode="backward", not mode={mode!r}; use '
+                      'mode="backward", or guard=False.')
+  if microbatches is not None and not is_positive_int(microbatches):
+    return MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
+  if offload == "params" and microbatches is not None and microbatches > 1:
+    return OffloadError(
+        "offload='params' streams params through the loops of one backward pass; with "
+        "microbatches the update after the accumulation loop would read the whole stacks. "
+        "Use offload='state' with microbatches, or microbatches=None.")
+  if guard and microbatches is not None and microbatches > 1:
+    return GuardError(
+        f"guard=True chooses between fusing the update in the loops of the loss and tapping it, "
+        f"and with microbatches={microbatches} the update runs once after the loop over the "
+        "microbatches, in no loop: there is nothing to guard. Use guard=False with "
+        "microbatches.")
+  return None
+
+
+def combinations(microbatches: tuple = (None, 2)
+                 ) -> Iterator[tuple[str, str | None, str | None, bool, int | None]]:
+  """Every ``(mode, global_ops, offload, guard, microbatches)`` of accepted values, runnable or
+  not, with the given ``microbatches``."""
+  return itertools.product(MODES, GLOBAL_OPS, OFFLOADS, GUARDS, microbatches)
 
 
 @dataclasses.dataclass(frozen=True)
 class FuseOptions:
-  """How ``optfuse.fuse`` runs a transformation: its keyword arguments as one immutable value.
+  """How a transformation is fused: ``optfuse.fuse``'s keyword arguments as one immutable value.
 
   Every option is checked when the value is made (``dataclasses.replace`` makes a new one, checked
-  too), so a ``FuseOptions`` always describes a step that runs. Its fields are ``fuse``'s keyword
-  arguments: ``optfuse.fuse(tx, **dataclasses.asdict(options))``.
+  too), so a ``FuseOptions`` always describes a step that runs. Every entry point takes it as
+  ``options=``: ``optfuse.fuse(tx, options=options)``, ``optfuse.train_step``,
+  ``optfuse.linen.TrainState.create``, ``optfuse.nnx.Optimizer``, ``optfuse.describe``,
+  ``optfuse.memory_report``, ``optfuse.max_batch_size`` and ``optfuse.smallest_slices``.
 
   Attributes:
     mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
@@ -40,12 +129,17 @@ class FuseOptions:
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
 
   Examples:
-    >>> import dataclasses, optax, optfuse
-    >>> fx = optfuse.fuse(optax.adam(1e-3), mode="forward", offload="state")
+    >>> import optax, optfuse
+    >>> options = optfuse.FuseOptions(mode="forward", offload="state")
+    >>> fx = optfuse.fuse(optax.adam(1e-3), options=options)
     >>> fx.options
     FuseOptions(mode='forward', global_ops=None, offload='state', guard=False)
-    >>> optfuse.fuse(optax.adam(1e-3), **dataclasses.asdict(fx.options)).options == fx.options
+    >>> optfuse.fuse(optax.adam(1e-3), mode="forward", offload="state").options == options
     True
+    >>> optfuse.FuseOptions(mode="off", guard=True)
+    Traceback (most recent call last):
+    ...
+    optfuse._base._errors.GuardError: guard=True guards the loops of mode="backward", not ...
   """
 
   mode: str = "backward"
@@ -54,35 +148,64 @@ class FuseOptions:
   guard: bool = False
 
   def __post_init__(self):
-    if self.mode not in MODES:
-      raise UnknownModeError(
-          f"unknown mode {self.mode!r}; use one of {', '.join(map(repr, MODES))}.")
-    if self.global_ops not in GLOBAL_OPS:
-      raise UnknownModeError(f'unknown global_ops {self.global_ops!r}; use None or "two_pass".')
-    self._check_offload()
-    if not isinstance(self.guard, bool):
-      raise GuardError(f"guard must be True or False, not {self.guard!r}.")
-    if self.guard and self.mode != "backward":
-      raise GuardError(f'guard=True guards the loops of mode="backward", not mode={self.mode!r}; '
-                       'use mode="backward", or guard=False.')
+    error = refusal(self.mode, self.global_ops, self.offload, self.guard)
+    if error is not None:
+      raise error
 
-  def _check_offload(self) -> None:
-    if self.offload not in OFFLOADS:
-      raise OffloadError(
-          f'unknown offload {self.offload!r}; use None, "state" or "params".')
-    if self.offload == "params" and self.mode == "off":
-      raise OffloadError(
-          'offload="params" streams params through the fused loops of modes "backward" and '
-          '"forward", and mode="off" has none. Use offload="state" (or a fused mode).')
-    if self.offload is None or self.global_ops is None:
-      return
-    if self.mode == "forward":  # forward fusion runs global transforms without global_ops
-      raise OffloadError(
-          f'offload={self.offload!r} runs without global_ops, and mode="forward" needs none: it '
-          f'runs global transforms exactly, with the pending gradient streamed too. Drop '
-          f'global_ops={self.global_ops!r}.')
-    raise OffloadError(
-        f'offload={self.offload!r} runs in modes "backward" and "forward" (and "state" in "off") '
-        f'without global_ops, not in mode={self.mode!r} with global_ops={self.global_ops!r}. For '
-        'global clipping with offloaded state use mode="forward", which streams the pending '
-        'gradient too.')
+  def check_microbatches(self, microbatches: int | None) -> int:
+    """The number of microbatches of a step with these options, checked with them (``refusal``).
+
+    Returns:
+      ``microbatches``, 1 for ``None``.
+
+    Raises:
+      MicrobatchError: ``microbatches`` is not a positive int or ``None``.
+      GuardError: ``guard=True`` with more than one microbatch.
+      OffloadError: ``offload="params"`` with more than one microbatch.
+    """
+    error = refusal(self.mode, self.global_ops, self.offload, self.guard, microbatches)
+    if error is not None:
+      raise error
+    return 1 if microbatches is None else microbatches
+
+  def for_mode(self, mode: str) -> FuseOptions:
+    """These options in ``mode``, as a report that compares modes compiles each of them
+    (``memory_report``, ``max_batch_size``): ``global_ops`` and ``guard``, which only backward
+    mode reads, are left out of the other modes.
+
+    Raises:
+      UnknownModeError: ``mode`` is not a mode.
+      OffloadError: backward mode with ``offload`` and ``global_ops``.
+    """
+    if mode == "backward":
+      return dataclasses.replace(self, mode=mode)
+    return dataclasses.replace(self, mode=mode, global_ops=None, guard=False)
+
+
+def resolve(options: FuseOptions | None, *, mode: str | None = None,
+            global_ops: str | None = None, offload: str | None = None,
+            guard: bool | None = None) -> FuseOptions:
+  """The options an entry point runs with: ``options``, or those its keywords build.
+
+  A keyword left at ``None`` is not given: it takes the value of ``options``, or
+  ``FuseOptions``'s default.
+
+  Raises:
+    OptionsError: ``options`` is not a ``FuseOptions``, or a keyword given contradicts it.
+    UnknownModeError, OffloadError, GuardError: the keywords make a combination that does not
+      run (``refusal``).
+  """
+  given = {name: value for name, value in
+           dict(mode=mode, global_ops=global_ops, offload=offload, guard=guard).items()
+           if value is not None}
+  if options is None:
+    return FuseOptions(**given)
+  if not isinstance(options, FuseOptions):
+    raise OptionsError(f"options must be an optfuse.FuseOptions, not {options!r}.")
+  conflicts = {name: value for name, value in given.items() if getattr(options, name) != value}
+  if conflicts:
+    named = ", ".join(f"{name}={value!r}" for name, value in conflicts.items())
+    raise OptionsError(
+        f"{named} contradicts options={options!r}: pass each option once, in options or as a "
+        f"keyword (dataclasses.replace(options, {named}) is the options with them).")
+  return options

@@ -10,6 +10,7 @@ and the update of the sum follows the loop over microbatches (``_accumulate.fuse
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import jax
@@ -18,7 +19,7 @@ import optax
 from optfuse._base import _checks, _leaves
 from optfuse._base._options import FuseOptions
 from optfuse._engines import _guard
-from optfuse._engines._engine import Step
+from optfuse._engines._engine import Placed, PlacedStep, microbatched, without_placements
 from optfuse._fusion import _accumulate, _fused_step, _loops
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan, PlanCache
@@ -33,6 +34,9 @@ class BackwardEngine:
   def __init__(self, tx: optax.GradientTransformation, options: FuseOptions):
     self.tx, self.options = tx, options
     self.plans = _GuardedPlans(PlanCache(self.make_plan))
+    # The memory guard's decisions: loss -> (has_aux, microbatches, input shapes) -> the fused
+    # leaves it taps, with why; kept while the loss lives (an NNX step's loss is new per trace).
+    self.decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def make_plan(self, params, state) -> Plan:
     return _make.make_plan(self.tx, params, state)
@@ -41,48 +45,66 @@ class BackwardEngine:
     _checks.check_params(params)
     return self.tx.init(params)
 
-  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict):
-    """One fused step."""
-    return _fused_step.value_and_update(self.plans(params, state), loss_fn, has_aux, params,
-                                        state, args, kwargs)
+  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict
+            ) -> tuple[tuple, Placed]:
+    """One fused step, and the leaves its backward loops updated."""
+    loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
+    out = _fused_step.value_and_update(self.plans(params, state), loss_fn, has_aux, params,
+                                       state, args, kwargs, loop_plan=loop_plan)
+    return out, in_loops(loop_plan)
 
-  def unchecked(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+  def unchecked(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
     """The step without its input checks."""
     if microbatches == 1:
       return lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
                                                                args, kwargs)
-    return _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
-
-  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
-    inner = self.unchecked(loss_fn, has_aux, microbatches)
-    if self.options.guard:
-      inner = self.guarded(inner, loss_fn)
-    return _checks.checked_step(self.tx, inner)
-
-  def guarded(self, inner: Step, loss_fn: Callable) -> Step:
-    """``inner`` with the fused leaves the memory guard taps (``_guard``), decided once per
-    input shapes."""
-    decisions: dict = {}
+    accumulated = _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
 
     def step(params, state, *args, **kwargs):
-      key = _guard.shapes_key(params, state, args, kwargs)
-      if key not in decisions:
+      out, (rows, stacked) = accumulated(params, state, *args, **kwargs)
+      floats = [i for i, p in enumerate(jax.tree.leaves(params)) if _leaves.is_float(p)]
+      return out, microbatched(rows, stacked, floats, microbatches, before=False)
+
+    return step
+
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
+    inner = self.unchecked(loss_fn, has_aux, microbatches)
+    if self.options.guard:
+      inner = self.guarded(inner, loss_fn, (has_aux, microbatches))
+    return _checks.checked_step(self.tx, inner)
+
+  def guarded(self, inner: PlacedStep, loss_fn: Callable, key: tuple) -> PlacedStep:
+    """``inner`` with the fused leaves the memory guard taps (``_guard``), decided once per
+    step (``loss_fn``, and ``key``: its ``has_aux`` and microbatches) and input shapes, for
+    every step the engine builds: a step traced again (``describe``'s trace) compiles nothing
+    more."""
+
+    own: dict = {}  # for a loss that takes no weak reference: this step's decisions alone
+
+    def step(params, state, *args, **kwargs):
+      try:
+        decisions = self.decisions.setdefault(loss_fn, {})
+      except TypeError:
+        decisions = own
+      shapes = (*key, _guard.shapes_key(params, state, args, kwargs))
+      if shapes not in decisions:
         loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-        decisions[key] = self.decide(inner, loop_plan, params, state, args, kwargs)
-      with self.plans.refusing(decisions[key]):
+        decisions[shapes] = self.decide(inner, loop_plan, params, state, args, kwargs)
+      with self.plans.refusing(decisions[shapes]):
         return inner(params, state, *args, **kwargs)
 
     return step
 
-  def decide(self, inner: Step, loop_plan: _loops.LoopPlan, params, state, args: tuple,
+  def decide(self, inner: PlacedStep, loop_plan: _loops.LoopPlan, params, state, args: tuple,
              kwargs: dict) -> dict[int, str]:
     """The fused leaves of ``loop_plan`` the memory guard taps: ``_guard.decide`` on
     ``inner``'s peaks."""
     sites = [site.leaves for site in loop_plan.sites.values()]
+    run = without_placements(inner)
 
     def peak_of(tapped: frozenset) -> int:
       with self.plans.refusing(dict.fromkeys(tapped, "tapped by the memory guard's probe")):
-        return _guard.peak(inner, params, state, args, kwargs, self.tx.init)
+        return _guard.peak(run, params, state, args, kwargs, self.tx.init)
 
     return _guard.decide(sites, peak_of)
 
@@ -97,15 +119,11 @@ class BackwardEngine:
   def flush(self, params, state):
     return params, state
 
-  def placements(self, loss_fn, params, state, args, kwargs):
-    loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-    if self.options.guard:
-      inner = self.unchecked(loss_fn, _checks.returns_pair(loss_fn, params, args, kwargs), 1)
-      refused = self.decide(inner, loop_plan, params, state, args, kwargs)
-      if refused:
-        with self.plans.refusing(refused):
-          loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-    return dict.fromkeys(loop_plan.fused_leaves, "loop"), loop_plan.reasons
+
+def in_loops(loop_plan: _loops.LoopPlan) -> Placed:
+  """The placements of a step that ran ``loop_plan``: its fused leaves in the loops, and why
+  each other stacked leaf is not."""
+  return Placed(dict.fromkeys(loop_plan.fused_leaves, "loop"), dict(loop_plan.reasons))
 
 
 class _GuardedPlans:

@@ -13,8 +13,9 @@ Adding a mode is one module implementing ``Engine`` and one entry of ``_fuse.ENG
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, Protocol
 
 import optax
 
@@ -22,6 +23,50 @@ from optfuse._base._options import FuseOptions
 
 # ``step(params, state, *args, **kwargs) -> (value, params, state)``.
 Step = Callable[..., tuple[Any, Any, Any]]
+
+
+class Placed(NamedTuple):
+  """Where a step placed the update of each float param leaf, as its trace found it.
+
+  Attributes:
+    where: leaf index -> its place ("loop", "rows", "leaf"), for the leaves not at the engine's
+      ``unplaced``.
+    reasons: leaf index -> why a leaf that a scan reads as its stacked input is not updated in
+      the loop.
+  """
+
+  where: dict[int, str]
+  reasons: dict[int, str]
+
+
+# ``step(params, state, *args, **kwargs) -> ((value, params, state), Placed)``: a step that
+# returns what its trace placed where (``describe`` reads it, ``optfuse.fuse``'s step drops it).
+PlacedStep = Callable[..., tuple[tuple[Any, Any, Any], Placed]]
+
+NOTHING_PLACED = Placed({}, {})
+
+
+def without_placements(step: PlacedStep) -> Step:
+  """``step`` returning ``(value, params, state)`` only."""
+  @functools.wraps(step)
+  def run(*args, **kwargs):
+    return step(*args, **kwargs)[0]
+
+  return run
+
+
+def microbatched(rows: Iterable[int], stacked: Iterable[int], float_leaves: Iterable[int],
+                 microbatches: int, before: bool) -> Placed:
+  """The placements of a step over ``microbatches``: its update runs once, outside the loop
+  over microbatches (``before`` it in forward mode, after it otherwise), row by row in place
+  for the leaves of ``rows`` and whole for the others; no leaf is updated in a loop of the
+  loss."""
+  rows, floats = frozenset(rows), frozenset(float_leaves)
+  when = "before" if before else "after"
+  why = (f"with microbatches={microbatches} the update runs once, {when} the loop over the "
+         "microbatches, not in the loops of the loss")
+  return Placed({i: "rows" if i in rows else "leaf" for i in sorted(floats)},
+                dict.fromkeys(sorted(frozenset(stacked) & floats), why))
 
 
 class Engine(Protocol):
@@ -33,7 +78,7 @@ class Engine(Protocol):
   Attributes:
     tx: the wrapped optax transformation.
     options: the options of the step it runs.
-    unplaced: where ``placements`` says a float leaf runs when it names no other place
+    unplaced: where a step's ``Placed`` says a float leaf runs when it names no other place
       ("tap", "leaf", "optax").
   """
 
@@ -44,21 +89,10 @@ class Engine(Protocol):
   def init(self, params) -> Any:
     """The engine's state for ``params`` (``tx.init(params)`` unless the mode keeps more)."""
 
-  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
     """The training step of ``loss_fn``: it checks its params and state, and with
-    ``microbatches > 1`` averages the gradients of that many slices of the batch."""
+    ``microbatches > 1`` averages the gradients of that many slices of the batch. It returns
+    its outputs and the ``Placed`` its trace found."""
 
   def flush(self, params, state) -> tuple[Any, Any]:
     """``(params, state)`` with nothing pending (identity unless the mode defers updates)."""
-
-  def placements(self, loss_fn: Callable, params, state, args: tuple, kwargs: dict
-                 ) -> tuple[dict[int, str], dict[int, str]]:
-    """Where ``step`` updates each float param leaf, decided from shapes alone.
-
-    Called under ``jax.eval_shape`` with abstract ``params``, ``state = init(params)`` and
-    arguments.
-
-    Returns:
-      ``(where, reasons)``: leaf index -> its place, for leaves not at ``unplaced``; and leaf
-      index -> why a leaf a scan reads as its stacked input is not updated in the loop.
-    """

@@ -55,7 +55,7 @@ from optfuse._base._checks import check_params
 from optfuse._base._errors import NonSeparableError, OffloadError
 from optfuse._base._memory_spaces import is_host, like
 from optfuse._base._options import FuseOptions
-from optfuse._engines._engine import Step
+from optfuse._engines._engine import Placed, PlacedStep, microbatched
 from optfuse._engines._forward_state import ForwardState, check_forward_state, no_pending
 from optfuse._fusion import _accumulate, _fused_step, _loops
 from optfuse._fusion._apply import apply_update, stacked_rows, stacked_staged
@@ -169,14 +169,17 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
                                      if is_host(g) else value_after(jnp.zeros_like(g), p, g)),
                        jax.tree.unflatten(plan.params_def, buffers), params)
   acc, values = lax.scan(body, zeros, batches)
-  return (_accumulate.sum_value(values, has_aux), params,
-          _next_state(opt_state, acc, state.pending_grads))
+  floats = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
+  return ((_accumulate.sum_value(values, has_aux), params,
+           _next_state(opt_state, acc, state.pending_grads)),
+          microbatched(rows, axes, floats, microbatches, before=True))
 
 
 def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
                      state: ForwardState, args: tuple, kwargs: dict,
-                     microbatches: int = 1, rows_only: bool = False) -> tuple[Any, Any, Any]:
-  """One forward-fused step: ``(value, params, state)``.
+                     microbatches: int = 1, rows_only: bool = False
+                     ) -> tuple[tuple[Any, Any, Any], Placed]:
+  """One forward-fused step: ``((value, params, state), placed)``.
 
   Args:
     plan: the global plan of ``tx`` for these params and ``state.opt_state``.
@@ -192,8 +195,9 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
       (``_backends.FORWARD_STACKED_ROWS``).
 
   Returns:
-    ``(value, params, state)``: the loss (or ``(loss, aux)``) at the updated params, the
-    updated params and a ``ForwardState`` whose pending gradient is this step's.
+    ``((value, params, state), placed)``: the loss (or ``(loss, aux)``) at the updated params,
+    the updated params and a ``ForwardState`` whose pending gradient is this step's; and where
+    the step updated each leaf (``Placed``).
   """
   if microbatches > 1:
     return _microbatch_step(plan, loss_fn, has_aux, params, state, args, kwargs, microbatches,
@@ -224,7 +228,9 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
         new_state[k] = slot
     params = jax.tree.unflatten(plan.params_def, new_params)
     opt_state = jax.tree.unflatten(plan.state_def, new_state)
-  return value, params, _next_state(opt_state, grads, state.pending_grads)
+  placed = Placed({**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(in_loop, "loop")},
+                  dict(where.loop_plan.reasons))
+  return (value, params, _next_state(opt_state, grads, state.pending_grads)), placed
 
 
 def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
@@ -310,7 +316,7 @@ class ForwardEngine:
     check_params(params)
     return no_pending(params, self.tx.init(params))
 
-  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
     def step(params, state, *args, **kwargs):
       check_params(params)
       check_forward_state(self.tx, params, state)
@@ -326,12 +332,6 @@ class ForwardEngine:
     params, opt_state, _, _ = apply_pending(self.plans(params, state.opt_state), params, state)
     return params, no_pending(params, opt_state)
 
-  def placements(self, loss_fn, params, state, args, kwargs):
-    # Those of this machine's backend: a step lowered for another platform takes its entry.
-    where = schedule(self.plans(params, state.opt_state), loss_fn, params, state, args, kwargs,
-                      for_platform(FORWARD_STACKED_ROWS))
-    placed = {**dict.fromkeys(where.rows, "rows"), **dict.fromkeys(where.in_loop, "loop")}
-    return placed, where.loop_plan.reasons
 
 class Schedule(NamedTuple):
   """Where a forward-mode step updates each leaf and captures its gradient.

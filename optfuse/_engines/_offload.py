@@ -27,9 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
+
 from optfuse._base import _memory_spaces
-from optfuse._base._errors import OffloadError
-from optfuse._engines._engine import Engine, Step
+from optfuse._engines._engine import Engine, Placed, PlacedStep
 
 
 class OffloadEngine:
@@ -40,37 +42,24 @@ class OffloadEngine:
   def __init__(self, engine: Engine):
     self.engine, self.whole = engine, engine.options.mode == "off"
     self.tx, self.options, self.unplaced = engine.tx, engine.options, engine.unplaced
-    self.params = engine.options.offload == "params"
 
   def init(self, params):
-    return _memory_spaces.state_to_host(self.engine.init(params))
+    # With offload="params" the params may be in host memory already, where optax's init
+    # cannot make its zeros "like" them (JAX places them on the device buffers it makes).
+    return _memory_spaces.state_to_host(self.engine.init(_memory_spaces.tree_to_device(params)))
 
-  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
-    if self.params and microbatches > 1:
-      raise OffloadError(
-          "offload='params' streams params through the loops of one backward pass; with "
-          "microbatches the update after the accumulation loop would read the whole stacks. "
-          "Use offload='state' with microbatches, or microbatches=None.")
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
     inner = self.engine.step(loss_fn, has_aux, microbatches)
 
     def step(params, state, *args, **kwargs):
       _memory_spaces.check_on_host(state)
-      if self.params:
-        self.check_params(loss_fn, params, state, args, kwargs)
       if not self.whole:
         return inner(params, state, *args, **kwargs)
       on_device = _memory_spaces.tree_to_device(state)
-      value, params, new_state = inner(params, on_device, *args, **kwargs)
-      return value, params, _memory_spaces.tree_like(new_state, state)
+      (value, params, new_state), placed = inner(params, on_device, *args, **kwargs)
+      return (value, params, _memory_spaces.tree_like(new_state, state)), placed
 
     return step
-
-  def check_params(self, loss_fn: Callable, params, state, args: tuple, kwargs: dict) -> None:
-    """Raises ``OffloadError`` unless exactly the leaves the step updates in a fused loop are
-    in host memory (``_memory_spaces.check_params_placed``)."""
-    where, _ = self.engine.placements(loss_fn, params, state, args, kwargs)
-    streamed = {i for i, place in where.items() if place == "loop"}
-    _memory_spaces.check_params_placed(params, streamed)
 
   def flush(self, params, state):
     # Forward mode's flush starts a new pending gradient (zeros): it goes to the host too. It
@@ -78,5 +67,37 @@ class OffloadEngine:
     new_params, state = self.engine.flush(_memory_spaces.tree_to_device(params), state)
     return _memory_spaces.tree_like(new_params, params), _memory_spaces.state_to_host(state)
 
-  def placements(self, loss_fn, params, state, args, kwargs):
-    return self.engine.placements(loss_fn, params, state, args, kwargs)
+
+def with_params_placed(step: PlacedStep) -> PlacedStep:
+  """``step`` of ``offload="params"``, refusing params not where it keeps them: it raises
+  ``OffloadError`` unless exactly the leaves its trace placed in a fused loop are in host memory
+  (``_memory_spaces.check_params_placed``). ``describe`` traces the step without this check: it
+  says where the params go, wherever they are."""
+
+  def checked(params, *args, **kwargs):
+    try:
+      outs, placed = step(params, *args, **kwargs)
+    except Exception:
+      # A leaf in host memory that an equation outside the loops reads fails the trace: the
+      # placements of the same step on device-resident params name it.
+      if any(_memory_spaces.is_host(x) for x in jax.tree.leaves(params)):
+        _check_placed(params, _placements_on_device(step, params, args, kwargs))
+      raise
+    _check_placed(params, placed)
+    return outs, placed
+
+  return checked
+
+
+def _check_placed(params, placed: Placed) -> None:
+  _memory_spaces.check_params_placed(
+      params, {i for i, place in placed.where.items() if place == "loop"})
+
+
+def _placements_on_device(step: PlacedStep, params, args: tuple, kwargs: dict) -> Placed:
+  """What ``step``'s trace places where, traced abstractly on ``params`` in device memory."""
+  found: list[Placed] = []
+  on_device = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                           params)
+  jax.eval_shape(lambda p, a, kw: found.append(step(p, *a, **kw)[1]), on_device, args, kwargs)
+  return found[0]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from optfuse._base import _leaves
 from optfuse._base._checks import check_loss
 from optfuse._engines import _backward
+from optfuse._engines._engine import Placed
 from optfuse._fusion import _loops
 from optfuse._fusion._row_buffers import value_after
 from optfuse._fusion._tap import make_tap
@@ -83,7 +84,8 @@ class _Updater:
 
 
 def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+                     args: tuple, kwargs: dict, loop_plan: _loops.LoopPlan
+                     ) -> tuple[Any, Any, Any]:
   """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
 
   Args:
@@ -95,6 +97,9 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
     state: the optax state.
     args: positional arguments of ``loss_fn`` after params.
     kwargs: keyword arguments of ``loss_fn``.
+    loop_plan: ``_loops.analyze``'s plan of the loss with ``two_pass=True``: the scanned
+      leaves whose rows are reduced to their statistics one at a time and updated one at a
+      time inside the backward loops; the others get taps.
 
   Returns:
     ``(value, params, state)`` where value is the loss, or ``(loss, aux)`` with ``has_aux``.
@@ -103,10 +108,6 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
   state_leaves = jax.tree.leaves(state)
   diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
   updater = _Updater(plan, state_leaves, param_leaves)
-  # A scanned leaf is updated inside the backward loop when its rows can be reduced to its
-  # statistics one at a time and updated one at a time; otherwise it gets a tap.
-  loop_plan = _loops.analyze(loss_fn, plan, params, state_leaves, args, kwargs, diff,
-                             two_pass=True)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
 
   def slots_of(i):
@@ -206,8 +207,11 @@ class TwoPassEngine(_backward.BackwardEngine):
   def make_plan(self, params, state) -> Plan:
     return _make.make_plan(self.tx, params, state, global_stage="if_needed")
 
-  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict):
+  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict
+            ) -> tuple[tuple, Placed]:
     plan = self.plans(params, state)
     if plan.is_separable:
       return super().fused(loss_fn, has_aux, params, state, args, kwargs)
-    return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs)
+    loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
+    return (value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, loop_plan),
+            _backward.in_loops(loop_plan))

@@ -14,7 +14,7 @@ import optax
 
 from optfuse._base import _checks, _leaves
 from optfuse._base._options import FuseOptions
-from optfuse._engines._engine import Step
+from optfuse._engines._engine import NOTHING_PLACED, PlacedStep, Step
 from optfuse._fusion import _accumulate
 
 
@@ -63,14 +63,11 @@ class OffEngine:
     _checks.check_params(params)
     return self.tx.init(params)
 
-  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> Step:
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
     inner = (_step(self.tx, loss_fn, has_aux) if microbatches == 1
              else _accumulate.optax_step(loss_fn, has_aux, microbatches, self.tx))
-    return _checks.checked_step(self.tx, inner)
+    return _checks.checked_step(self.tx, lambda *args, **kwargs: (inner(*args, **kwargs),
+                                                                 NOTHING_PLACED))
 
   def flush(self, params, state):
     return params, state
-
-  def placements(self, loss_fn, params, state, args, kwargs):
-    del loss_fn, params, state, args, kwargs
-    return {}, {}

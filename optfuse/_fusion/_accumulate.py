@@ -161,8 +161,10 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
       gradient (``_apply.apply_update``; with a global stage, stacked leaves row by row).
 
   Returns:
-    ``step(params, state, *args, **kwargs) -> (value, params, state)`` where value is the mean
-    loss over the microbatches (with aux stacked along a leading axis when ``has_aux``).
+    ``step(params, state, *args, **kwargs) -> ((value, params, state), (rows, stacked))``
+    where value is the mean loss over the microbatches (with aux stacked along a leading axis
+    when ``has_aux``), ``rows`` the leaves whose update ran row by row in place (the others ran
+    whole), and ``stacked`` the leaves a scan reads as its stacked input, all after the loop.
   """
   k = microbatches
   scaled = scale_loss(loss_fn, has_aux, k)
@@ -188,8 +190,8 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
             else stacked_rows(plan, axes, state_leaves, param_leaves))
     new_params, new_state, _, _ = apply_update(plan, plan.params_def.flatten_up_to(mean),
                                             state_leaves, param_leaves, rows, axes=axes)
-    return (sum_value(values, has_aux), jax.tree.unflatten(plan.params_def, new_params),
-            jax.tree.unflatten(plan.state_def, new_state))
+    return ((sum_value(values, has_aux), jax.tree.unflatten(plan.params_def, new_params),
+             jax.tree.unflatten(plan.state_def, new_state)), (rows, frozenset(axes)))
 
   return step
 

@@ -130,7 +130,7 @@ class _ForwardLoop(NamedTuple):
   pre_in: tuple  # per fused leaf, ``(grads, slots, operands)`` of its ``PreUpdate`` or ``None``
 
   def index_of(self, k):
-    return self.body.length - 1 - k if self.body.eqn.params["reverse"] else k
+    return self.body.length - 1 - k if self.body.parts.reverse else k
 
   def pre_update(self, j: int, stacks: list, slot_stacks: list, index):
     """Row ``index`` of leaf ``j``'s param, updated in place in ``stacks``/``slot_stacks``:
@@ -168,7 +168,7 @@ class _ForwardLoop(NamedTuple):
     """``(carry, ys, saved residuals, carries, pre_out, param stacks)``; residuals are stacked
     (and the carries, if the backward needs them) only when ``residuals`` is given."""
     body, pre = self.body, self.pre
-    nk, save = _interpreter.scan_counts(body.eqn)[1], residuals is not None
+    nk, save = body.parts.num_carry, residuals is not None
 
     def step(state, xo_rows):
       k, c, stacks, slot_stacks = state
@@ -195,8 +195,8 @@ class _ForwardLoop(NamedTuple):
     stacks = tuple(p if u is not None or carried else None for p, u in zip(pstacks, pre))
     init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks)
     (_, carry_out, stacks, slot_stacks), (ys, saved, carries) = lax.scan(
-        step, init, list(xs_other), length=body.length, reverse=body.eqn.params["reverse"],
-        unroll=1 if body.site.rolled else body.eqn.params["unroll"])
+        step, init, list(xs_other), length=body.length, reverse=body.parts.reverse,
+        unroll=1 if body.site.rolled else body.parts.unroll)
     slot_stacks = tuple(self.whole_slots(j, stacks[j]) if w else t
                         for j, (t, w) in enumerate(zip(slot_stacks, whole)))
     pre_out = tuple(None if u is None else (q, t) for q, t, u in zip(stacks, slot_stacks, pre))
@@ -213,8 +213,8 @@ class _ForwardLoop(NamedTuple):
 
 
 def _body(eqn: jcore.JaxprEqn, site: Site, is_param_x: list) -> Body:
-  prm = eqn.params
-  (nc, nk), body_jaxpr = _interpreter.scan_counts(eqn), prm["jaxpr"].jaxpr
+  parts = _interpreter.scan_parts(eqn)
+  nc, nk, body_jaxpr = parts.num_consts, parts.num_carry, parts.body.jaxpr
   return Body(
       eqn, site, is_param_x, [is_float_aval(v) for v in body_jaxpr.invars[:nc]],
       [is_float_aval(v) for v in body_jaxpr.invars[nc:nc + nk]],
@@ -236,7 +236,8 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   Returns:
     The scan's outputs.
   """
-  nc, nk = _interpreter.scan_counts(eqn)
+  parts = _interpreter.scan_parts(eqn)
+  nc, nk = parts.num_consts, parts.num_carry
   consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
   is_param_x = [pos in site.positions for pos in range(len(xs_in))]
   pstacks = tuple(xs_in[pos] for pos in site.positions)
@@ -321,7 +322,7 @@ class _BackwardLoop(NamedTuple):
   ct_ys: list
 
   def index_of(self, k):
-    return k if self.body.eqn.params["reverse"] else self.body.length - 1 - k
+    return k if self.body.parts.reverse else self.body.length - 1 - k
 
   def pullback(self, index, c_row, q_rows, xo_rows):
     """The body's pullback at iteration ``index``, rebuilt from its residuals."""
@@ -337,7 +338,7 @@ class _BackwardLoop(NamedTuple):
     """Iteration ``index``: the body's pullback, then each leaf's row updated (or, with
     ``stats``, reduced into its statistics); returns the new rows and the carry."""
     body, updater, site = self.body, self.updater, self.body.site
-    length, nk = body.length, _interpreter.scan_counts(body.eqn)[1]
+    length, nk = body.length, body.parts.num_carry
     ct_c, ct_consts, ct_xo, accs = carry
     c_row = [row_at(c, index) for c in self.carries] if self.residuals.needs_carry else [None] * nk
     xo_rows = [row_at(x, index) for x in self.xs_other]
@@ -374,7 +375,7 @@ class _BackwardLoop(NamedTuple):
     param rows are read after the loop's first cotangent.
     """
     body, updater, axes = self.body, self.updater, self.body.site.axes
-    nk = _interpreter.scan_counts(body.eqn)[1]
+    nk = body.parts.num_carry
     carry = (merge(split(ct_carry, body.fk)[0], [None] * (nk - sum(body.fk)), body.fk),
              [jnp.zeros_like(c) for c in self.float_consts],
              [jnp.zeros_like(x) for x in split(self.xs_other, body.fxo)[0]],

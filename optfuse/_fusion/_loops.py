@@ -11,7 +11,7 @@ backward loop updates the leaf's rows in place.
 
 The leaf is followed to its scan as real codebases write it:
 
-* through row-preserving operations (``_rows.PATH_PRIMITIVES``): a mixed-precision cast of the
+* through row-preserving operations (``_row_params.PATH_PRIMITIVES``): a mixed-precision cast of the
   whole params tree (jmp, Levanter), ``moveaxis``/``transpose`` of a stack stored with the layer
   axis elsewhere (MaxText's ``nn.scan(variable_axes={"params": 1})`` and NNX decoder),
   ``reshape``, ``squeeze``, ``expand_dims``, copies and sharding constraints. The stacked axis
@@ -41,7 +41,7 @@ from optfuse._base._memory_spaces import is_host
 from optfuse._fusion import _fused_scan
 from optfuse._fusion._fused_scan import PreUpdate as PreUpdate
 from optfuse._fusion._sites import REWRAPPED_CALLS, Finder, View, entered_calls
-from optfuse._jaxpr import _interpreter, _rows
+from optfuse._jaxpr import _interpreter, _row_params
 from optfuse._plan._plan import Plan
 
 
@@ -188,7 +188,7 @@ class _LossInterpreter(_interpreter.Interpreter):
 
   rules = {
       P.scan_p: scan,
-      **dict.fromkeys(_rows.PATH_PRIMITIVES, path),
+      **dict.fromkeys(_row_params.PATH_PRIMITIVES, path),
       **dict.fromkeys(_interpreter.CALL_PRIMITIVES, call),
   }
 

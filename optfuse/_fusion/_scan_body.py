@@ -66,8 +66,13 @@ class Body(NamedTuple):
   fout: list
 
   @property
+  def parts(self) -> _interpreter.ScanParts:
+    """The scan's counts, body and loop params."""
+    return _interpreter.scan_parts(self.eqn)
+
+  @property
   def length(self) -> int:
-    return self.eqn.params["length"]
+    return self.parts.length
 
   def body_rows(self, p_rows, index):
     """The body's inputs for the stored param rows: each row through its path."""
@@ -77,7 +82,7 @@ class Body(NamedTuple):
   def vjp(self, consts, carry, q_rows, xo_rows):
     """The body's VJP with respect to its float inputs (``q_rows``: the param rows after their
     paths); non-float outputs come as aux. Returns ``(outs, pullback, flat_inputs)``."""
-    body = self.eqn.params["jaxpr"]
+    body = self.parts.body
     fc, fk, fxo, fout = self.fc, self.fk, self.fxo, self.fout
     static_consts, static_carry = split(consts, fc)[1], split(carry, fk)[1]
     static_xo = split(xo_rows, fxo)[1]

@@ -1,7 +1,7 @@
 """Site finding: which scans read a stacked param leaf as their scanned input, and how.
 
 One walk over the traced loss follows every float param leaf (``View``) through
-row-preserving equations (``_rows.PATH_PRIMITIVES``: a cast, ``moveaxis``...) and into call
+row-preserving equations (``_row_params.PATH_PRIMITIVES``: a cast, ``moveaxis``...) and into call
 bodies optfuse may rewrite (``jit``, ``closed_call``, ``remat``), to the ``scan``s that read it.
 A scan whose scanned input is such a leaf, read nowhere else, is a ``Site``: the loss
 interpreter (``_loops``) binds it as a fused scan. For every stacked leaf it cannot fuse the
@@ -16,7 +16,7 @@ from typing import NamedTuple
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
-from optfuse._jaxpr import _interpreter, _rows
+from optfuse._jaxpr import _interpreter, _row_params
 
 # Calls whose body the loss interpreter may rewrite: inlined (``jit``...) or re-wrapped
 # (``remat``). Custom-derivative functions keep their own rules, so their bodies are not.
@@ -47,7 +47,7 @@ class View(NamedTuple):
   Attributes:
     leaf: the param leaf.
     axes: ``(stored_axis, axis)`` pairs: where each stored axis that could be the stacked one
-      is in this value (every axis at first; ``_rows.row_params`` moves them).
+      is in this value (every axis at first; ``_row_params.row_params`` moves them).
     path: the row-preserving equations from the stored leaf to this value.
     shared: some value on the way (the leaf included) is read more than once.
     problem: why a scan reading this value cannot fuse the leaf, if it cannot.
@@ -179,8 +179,8 @@ class Finder(_interpreter.Interpreter):
     axes = []
     for stored, axis in w.axes:
       try:
-        axes.append((stored, _rows.path_axis([eqn], axis, self.shapes[w.leaf][stored])))
-      except _rows.NotRowwise:
+        axes.append((stored, _row_params.path_axis([eqn], axis, self.shapes[w.leaf][stored])))
+      except _row_params.NotRowwise:
         pass
     problem = w.problem or (None if axes else f"its rows are mixed by {eqn.primitive.name} on "
                             "the way to its scan")
@@ -190,11 +190,11 @@ class Finder(_interpreter.Interpreter):
     """A scan: the leaves it reads as scanned inputs, each fused or given a reason."""
     if not any(ins):
       return [None] * len(eqn.outvars)
-    prm = eqn.params
-    start, length = sum(_interpreter.scan_counts(eqn)), prm["length"]
+    parts = _interpreter.scan_parts(eqn)
+    start, length = parts.num_consts + parts.num_carry, parts.length
     positions, leaves, axes, paths = [], [], [], []
     inner: dict = {}
-    for k, (w, iv) in enumerate(zip(ins, prm["jaxpr"].jaxpr.invars)):
+    for k, (w, iv) in enumerate(zip(ins, parts.body.jaxpr.invars)):
       if w is None:
         continue
       if k < start:
@@ -217,12 +217,12 @@ class Finder(_interpreter.Interpreter):
       leaves.append(w.leaf)
       axes.append(stored)
       paths.append(w.path)
-    self.walk(prm["jaxpr"].jaxpr, inner)  # for the reasons of loops nested in this one
+    self.walk(parts.body.jaxpr, inner)  # for the reasons of loops nested in this one
     if leaves and self.remat_depth:
       self.in_remat.update(leaves)
     if leaves:
       self.sites[id(eqn)] = Site(tuple(positions), tuple(leaves), tuple(axes), tuple(paths),
-                                 rolled=prm["unroll"] >= length > 1,
+                                 rolled=parts.unroll >= length > 1,
                                  in_remat=self.remat_depth > 0)
       self.deferred.update(id(e) for path in paths for e in path)
     return [None] * len(eqn.outvars)
@@ -231,7 +231,7 @@ class Finder(_interpreter.Interpreter):
       P.scan_p: scan,
       **dict.fromkeys(_REWRITTEN_CALLS, call),
       **dict.fromkeys(_OPAQUE, opaque),
-      **dict.fromkeys(_rows.PATH_PRIMITIVES, path),
+      **dict.fromkeys(_row_params.PATH_PRIMITIVES, path),
   }
 
 
@@ -255,19 +255,20 @@ def entered_calls(jaxpr: jcore.Jaxpr, marked: set) -> frozenset:
 
 def _jaxpr_params(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
   """The bodies of a ``while``, ``cond`` or custom-derivative equation."""
-  if eqn.primitive is P.cond_p:
-    return [b.jaxpr for b in eqn.params["branches"]]
-  if eqn.primitive is P.while_p:
-    return [eqn.params["body_jaxpr"].jaxpr]
+  primitive = _interpreter.primitive_of(eqn)
+  if primitive is P.cond_p:
+    return [b.jaxpr for b in _interpreter.cond_branches(eqn)]
+  if primitive is P.while_p:
+    return [_interpreter.while_parts(eqn).body.jaxpr]
   body = _interpreter.call_body(eqn)
   return [] if body is None else [body.jaxpr]
 
 
 def _operands(eqn: jcore.JaxprEqn, inner: jcore.Jaxpr) -> list:
   """The invars of ``inner`` (a body of ``eqn``) lined up with ``eqn``'s operands."""
-  if eqn.primitive is P.cond_p:
+  primitive = _interpreter.primitive_of(eqn)
+  if primitive is P.cond_p:
     return [None, *inner.invars]
-  if eqn.primitive is P.while_p:
-    skip = eqn.params["cond_nconsts"]
-    return [None] * skip + list(inner.invars)
+  if primitive is P.while_p:
+    return [None] * _interpreter.while_parts(eqn).cond_nconsts + list(inner.invars)
   return list(inner.invars)

@@ -1,2 +1,3 @@
-"""The jaxpr interpreter (one evaluation loop, rules keyed by primitive), row evaluation of a
-computation on one slice of a stacked value, and the row rules table."""
+"""The jaxpr interpreter (one evaluation loop, rules keyed by primitive; the one reader of the
+forms JAX versions stage differently), the parameter rules of row evaluation, and the row
+evaluator with its rule table."""

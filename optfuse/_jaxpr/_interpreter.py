@@ -9,7 +9,10 @@ Every walk over a jaxpr (the dependency analysis here, the row evaluator ``_rows
 ``Interpreter``: one evaluation skeleton with rules in a table keyed by primitive objects.
 ``CALL_PRIMITIVES`` is the one table of call-like primitives; a wrapper JAX adds later is one
 entry there. This is the only module that touches ``jax._src``, and the one place that knows how
-JAX versions differ in the equations they stage (docs/limits.md, "JAX versions").
+JAX versions differ in the equations they stage (docs/limits.md, "JAX versions"): every other
+module asks ``primitive_of`` which rules apply to an equation, and ``scan_parts``,
+``while_parts``, ``cond_branches``, ``call_body`` and ``inner_jaxprs`` for its counts and bodies
+(``tests/test_architecture.py`` checks that no other module reads those params).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax._src import ad_checkpoint, hijax, xla_metadata
@@ -60,7 +63,8 @@ _HI_CALLS: dict[type, tuple[jcore.Primitive, Callable[[Any], Any]]] = {
 
 def primitive_of(eqn: jcore.JaxprEqn) -> jcore.Primitive:
   """The primitive whose rules apply to ``eqn``: its own, or for a ``call_hi_primitive`` of
-  ``jax.checkpoint`` or ``jax.custom_vjp``, ``remat_p`` or ``custom_vjp_call_p``."""
+  ``jax.checkpoint`` or ``jax.custom_vjp``, ``remat_p`` or ``custom_vjp_call_p``. Every rule
+  table in optfuse is looked up with it."""
   if eqn.primitive is not _CALL_HI_P:
     return eqn.primitive
   entry = _HI_CALLS.get(type(eqn.params["_prim"]))
@@ -73,16 +77,84 @@ def remat_options(eqn: jcore.JaxprEqn) -> dict[str, Any]:
   return {"prevent_cse": params.get("prevent_cse", True), "policy": params["policy"]}
 
 
-def scan_counts(eqn: jcore.JaxprEqn) -> tuple[int, int]:
-  """A scan's numbers of constant and carried operands (the scanned ones follow them).
+def closed(jaxpr: Any) -> jcore.ClosedJaxpr:
+  """A body param of an equation as a closed jaxpr (its ``.jaxpr`` and ``.consts``).
+
+  Through JAX 0.10 a body is a ``ClosedJaxpr`` wrapping an open ``Jaxpr`` (or, for ``call_p``,
+  an open ``Jaxpr`` closing over nothing); JAX 0.11 merged the two classes: a ``Jaxpr`` carries
+  its ``consts`` (its first invars are their constvars), ``.jaxpr`` is itself, and
+  ``ClosedJaxpr`` is its alias, so it is closed as it is.
+  """
+  if isinstance(jaxpr, jcore.ClosedJaxpr):
+    return jaxpr
+  return jcore.ClosedJaxpr(jaxpr, list(getattr(jaxpr, "consts", ())))
+
+
+class ScanParts(NamedTuple):
+  """A ``scan`` equation's parts: its operands are ``num_consts`` constants, ``num_carry``
+  carried values and the scanned ones, in that order.
+
+  Attributes:
+    num_consts: the number of constant operands.
+    num_carry: the number of carried operands (the body's first outputs).
+    body: the body, closed (``closed``): constants, carry and one slice of each scanned
+      operand in, the carry and one slice of each stacked output out.
+    length: the number of iterations.
+    reverse: whether it runs from the last slice to the first.
+    unroll: how many iterations one step of the emitted loop holds.
+  """
+
+  num_consts: int
+  num_carry: int
+  body: jcore.ClosedJaxpr
+  length: int
+  reverse: bool
+  unroll: int
+
+
+def scan_parts(eqn: jcore.JaxprEqn) -> ScanParts:
+  """The parts of a ``scan`` equation.
 
   JAX 0.11 replaced the params ``num_consts`` and ``num_carry`` by ``ft_in``, a tree of the
-  operands grouped as (consts, carry, xs).
+  operands grouped as (consts, carry, xs) whose parts count their leaves (the consts may be a
+  tuple of groups); its ``jaxpr`` is a ``Jaxpr`` carrying its consts (``closed``).
   """
-  if "num_consts" in eqn.params:
-    return eqn.params["num_consts"], eqn.params["num_carry"]
-  consts, carry, _ = eqn.params["ft_in"].unpack()
-  return len(consts), len(carry)
+  p = eqn.params
+  if "ft_in" in p:
+    consts, carry, _ = p["ft_in"].unpack()
+    nc, nk = len(consts), len(carry)
+  else:
+    nc, nk = p["num_consts"], p["num_carry"]
+  return ScanParts(nc, nk, closed(p["jaxpr"]), p["length"], p["reverse"], p["unroll"])
+
+
+class WhileParts(NamedTuple):
+  """A ``while`` equation's parts: its operands are ``cond_nconsts`` constants of the
+  predicate, ``body_nconsts`` constants of the body and the carry, in that order.
+
+  Attributes:
+    cond_nconsts: the number of the predicate's constant operands.
+    cond: the predicate, closed: its constants and the carry in, a boolean out.
+    body_nconsts: the number of the body's constant operands.
+    body: the body, closed: its constants and the carry in, the carry out.
+  """
+
+  cond_nconsts: int
+  cond: jcore.ClosedJaxpr
+  body_nconsts: int
+  body: jcore.ClosedJaxpr
+
+
+def while_parts(eqn: jcore.JaxprEqn) -> WhileParts:
+  """The parts of a ``while`` equation (its bodies ``closed`` as JAX 0.11 stages them too)."""
+  p = eqn.params
+  return WhileParts(p["cond_nconsts"], closed(p["cond_jaxpr"]), p["body_nconsts"],
+                    closed(p["body_jaxpr"]))
+
+
+def cond_branches(eqn: jcore.JaxprEqn) -> list[jcore.ClosedJaxpr]:
+  """The branches of a ``cond`` equation, closed: each takes the operands after the index."""
+  return [closed(b) for b in eqn.params["branches"]]
 
 
 def call_body(eqn: jcore.JaxprEqn) -> jcore.ClosedJaxpr | None:
@@ -95,15 +167,34 @@ def call_body(eqn: jcore.JaxprEqn) -> jcore.ClosedJaxpr | None:
     inner = None if name is None else eqn.params.get(name)
   if inner is None:
     return None
-  body = inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, ())
+  body = closed(inner)
   return body if len(body.jaxpr.invars) == len(eqn.invars) else None
 
 
-def bind(eqn: jcore.JaxprEqn, ins: Sequence[Any]) -> list[Any]:
+def inner_jaxprs(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
+  """Every jaxpr in ``eqn``'s params (a loop's bodies, a cond's branches, a call's body, the
+  body of a ``call_hi_primitive``), open."""
+  found = list(jcore.jaxprs_in_params(eqn.params))
+  if eqn.primitive is _CALL_HI_P and (body := call_body(eqn)) is not None:
+    found.append(body.jaxpr)
+  return found
+
+
+def bind(eqn: jcore.JaxprEqn, ins: Sequence[Any], params: Mapping[str, Any] | None = None
+         ) -> list[Any]:
   """``eqn``'s primitive applied to ``ins`` under the equation's context (named scopes, compute
-  placement, XLA metadata), as ``jax.core.eval_jaxpr`` applies it; its outputs as a list."""
+  placement, XLA metadata), as ``jax.core.eval_jaxpr`` applies it; its outputs as a list.
+
+  Args:
+    eqn: the equation.
+    ins: one value per invar.
+    params: the staged params to bind with (a row rule's rewrite); by default the equation's.
+      The primitive's ``get_bind_params`` turns them into what it binds with, as
+      ``jax.core.eval_jaxpr`` does.
+  """
+  params = eqn.params if params is None else params
   with eqn.ctx.manager:
-    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
   return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
@@ -178,7 +269,7 @@ def _call_deps(interp: Interpreter, eqn: jcore.JaxprEqn, ins: list) -> list:
 def _cond_deps(interp: Interpreter, eqn: jcore.JaxprEqn, ins: list) -> list:
   index, ops = ins[0], ins[1:]
   branch_outs = [interp.run(b.jaxpr, [Deps()] * len(b.jaxpr.constvars), ops)
-                 for b in eqn.params["branches"]]
+                 for b in cond_branches(eqn)]
   return [index.union(*col) for col in zip(*branch_outs)]
 
 

@@ -25,13 +25,15 @@ updated inside the loop, and by construction it accepts exactly what it can eval
 rules move the row-preserving operations between a stored param and a scan (a dtype cast,
 ``moveaxis``) into the loop body (``apply_path``).
 
-The parameter rules come first in this module, then the values of the evaluation and the rules
-that run bodies, the table, and the evaluator: adding a primitive is one entry of ``ROW_RULES``.
+The parameter rules are pure rewrites of an equation's params (``_row_params``); this module
+holds the values of the evaluation, the rules that run bodies, the table that lifts the parameter
+rules beside them (``ROW_RULES``) and the evaluator: adding a primitive is one entry of
+``_row_params.PARAMS_RULES`` or of ``ROW_RULES``. Rules are looked up by ``primitive_of``, and
+a rule that raises anything but ``NotRowwise`` refuses the leaf (``RowRuleError``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -41,258 +43,19 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
-from optfuse._jaxpr._interpreter import (
-    CALL_PRIMITIVES,
-    RESHARD_P,
-    Interpreter,
-    bind_shared,
-    call_body,
+from optfuse._jaxpr import _interpreter
+from optfuse._jaxpr._interpreter import CALL_PRIMITIVES, Interpreter, bind_shared, primitive_of
+from optfuse._jaxpr._row_params import (
+  PARAMS_RULES,
+  REDUCTIONS,
+  NoRowRule,
+  NotRowwise,
+  ParamsRule,
+  RowParams,
+  clear_params,
+  drop_axis,
+  run_rule,
 )
-
-
-class NotRowwise(Exception):
-  """The computation combines different rows of a stacked leaf (or, as ``NoRowRule``, is not
-  known not to)."""
-
-
-class NoRowRule(NotRowwise):
-  """A primitive that reads a row has no row rule yet: whether it mixes rows is not known.
-
-  Attributes:
-    primitive: the primitive's name.
-  """
-
-  def __init__(self, primitive: str):
-    super().__init__(f"{primitive} has no row rule")
-    self.primitive = primitive
-
-
-class RowParams(NamedTuple):
-  """How an equation runs on rows.
-
-  Attributes:
-    params: the equation's params for row operands (``None``: the equation is the identity
-      on rows, e.g. a sharding constraint the row cannot keep).
-    full_axes: per input given whole, the axis along which to slice it to the row (``None``:
-      pass it whole).
-    out_axes: per output, the position of its stacked axis.
-  """
-
-  params: dict | None
-  full_axes: tuple[int | None, ...]
-  out_axes: tuple[int, ...]
-
-
-# A parameter rule: ``how(eqn, axes, length) -> RowParams``; ``axes[i]`` is the stacked axis of
-# input ``i`` if it is a row, else ``None``. It raises ``NotRowwise`` when rows would mix.
-ParamsRule = Callable[[jcore.JaxprEqn, Sequence[Any], int], RowParams]
-
-
-def drop_axis(axes: Sequence[int], a: int) -> tuple[int, ...]:
-  """Axis numbers of a value without its axis ``a``."""
-  return tuple(x - (x > a) for x in axes if x != a)
-
-
-def _shape(v) -> tuple[int, ...]:
-  return tuple(getattr(v, "aval", v).shape)
-
-
-def clear_params(params: dict, *keys: str) -> dict:
-  return {**params, **{k: None for k in keys if params.get(k) is not None}}
-
-
-def _elementwise(eqn, axes, length):
-  row_axes = {a for a in axes if a is not None}
-  if len(row_axes) != 1:
-    raise NotRowwise(f"{eqn.primitive.name} of rows stacked on different axes")
-  (a,) = row_axes
-  full = []
-  for v, ax in zip(eqn.invars, axes):
-    shape = _shape(v)
-    if ax is not None or not shape:
-      full.append(None)
-    elif len(shape) > a and shape[a] == length:
-      full.append(a)
-    else:
-      raise NotRowwise(f"a value of shape {shape} meets a row of a stacked leaf of length "
-                       f"{length}")
-  return RowParams(clear_params(dict(eqn.params), "sharding"), tuple(full), (a,) * len(eqn.outvars))
-
-
-def _unary(eqn, axes) -> int:
-  if len(axes) != 1 or axes[0] is None:
-    raise NotRowwise(f"{eqn.primitive.name} with extra operands")
-  return axes[0]
-
-
-def _broadcast_in_dim(eqn, axes, length):
-  a = _unary(eqn, axes)
-  dims, shape = eqn.params["broadcast_dimensions"], eqn.params["shape"]
-  b = dims[a]
-  if shape[b] != length:
-    raise NotRowwise("broadcast_in_dim of the stacked axis")
-  params = dict(eqn.params, shape=shape[:b] + shape[b + 1:],
-                broadcast_dimensions=tuple(d - (d > b) for i, d in enumerate(dims) if i != a))
-  return RowParams(clear_params(params, "sharding"), (None,), (b,))
-
-
-def _reshape(eqn, axes, length):
-  a = _unary(eqn, axes)
-  in_shape, out_shape = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
-  if eqn.params.get("dimensions") is not None:
-    raise NotRowwise("reshape with a transposition")
-  before = math.prod(in_shape[:a])
-  for b in range(len(out_shape)):
-    if math.prod(out_shape[:b]) == before and out_shape[b] == length:
-      params = dict(eqn.params, new_sizes=out_shape[:b] + out_shape[b + 1:])
-      return RowParams(clear_params(params, "sharding"), (None,), (b,))
-  raise NotRowwise(f"reshape {in_shape} -> {out_shape} merges the stacked axis")
-
-
-def _transpose(eqn, axes, length):
-  del length
-  a = _unary(eqn, axes)
-  perm = eqn.params["permutation"]
-  return RowParams(dict(eqn.params, permutation=tuple(p - (p > a) for p in perm if p != a)),
-                   (None,), (perm.index(a),))
-
-
-def _reduction(eqn, axes, length):
-  del length
-  a = _unary(eqn, axes)
-  red = eqn.params["axes"]
-  if a in red:
-    raise NotRowwise(f"{eqn.primitive.name} over the stacked axis")
-  params = clear_params(dict(eqn.params, axes=drop_axis(red, a)), "out_sharding")
-  return RowParams(params, (None,), (a - sum(x < a for x in red),) * len(eqn.outvars))
-
-
-def _squeeze(eqn, axes, length):
-  del length
-  a = _unary(eqn, axes)
-  dims = eqn.params["dimensions"]
-  if a in dims:
-    raise NotRowwise("squeeze of the stacked axis")
-  return RowParams(dict(eqn.params, dimensions=drop_axis(dims, a)), (None,),
-                   (a - sum(d < a for d in dims),))
-
-
-def _along(key: str) -> ParamsRule:
-  """A rule for an equation that works along the axis ``params[key]`` and keeps the others
-  (cumulative reductions, ``concatenate``, ``split``)."""
-  def rule(eqn, axes, length):
-    base = _elementwise(eqn, axes, length) if len(axes) > 1 else None
-    a = base.out_axes[0] if base else _unary(eqn, axes)
-    d = eqn.params[key]
-    if d == a:
-      raise NotRowwise(f"{eqn.primitive.name} along the stacked axis")
-    full = base.full_axes if base else (None,)
-    return RowParams(dict(eqn.params, **{key: d - (d > a)}), full, (a,) * len(eqn.outvars))
-
-  return rule
-
-
-def _slice(eqn, axes, length):
-  a = _unary(eqn, axes)
-  start, limit, strides = (eqn.params["start_indices"], eqn.params["limit_indices"],
-                           eqn.params["strides"])
-  if start[a] != 0 or limit[a] != length or (strides is not None and strides[a] != 1):
-    raise NotRowwise("slice of the stacked axis")
-  cut = lambda xs: None if xs is None else tuple(x for i, x in enumerate(xs) if i != a)
-  return RowParams(dict(eqn.params, start_indices=cut(start), limit_indices=cut(limit),
-                        strides=cut(strides)), (None,), (a,))
-
-
-def _sharding_constraint(eqn, axes, length):
-  del length
-  a = _unary(eqn, axes)
-  sharding = eqn.params["sharding"]
-  spec = getattr(sharding, "spec", None)
-  if spec is None or eqn.params.get("layout") is not None:
-    return RowParams(None, (None,), (a,))  # a hint the row cannot keep: the identity
-  row_spec = jax.sharding.PartitionSpec(*[s for i, s in enumerate(spec) if i != a])
-  unconstrained = frozenset(drop_axis(sorted(eqn.params.get("unconstrained_dims", ())), a))
-  params = dict(eqn.params, sharding=jax.sharding.NamedSharding(sharding.mesh, row_spec),
-                unconstrained_dims=unconstrained)
-  return RowParams(params, (None,), (a,))
-
-
-def _reshard(eqn, axes, length):
-  """A reshard (``jax.sharding.reshard``, as low-bit state's reshapes and table lookups emit
-  under ``AxisType.Explicit``): the row takes the target sharding of its other axes."""
-  del length
-  a = _unary(eqn, axes)
-  dst = eqn.params["dst_sharding"]
-  rank = len(_shape(eqn.invars[0]))
-  spec = (*dst.spec, *(None,) * (rank - len(dst.spec)))
-  row = jax.sharding.NamedSharding(dst.mesh, jax.sharding.PartitionSpec(*spec[:a], *spec[a + 1:]),
-                                   memory_kind=dst.memory_kind)
-  return RowParams(dict(eqn.params, dst_sharding=row), (None,), (a,))
-
-
-def _dot_general(eqn, axes, length):
-  del length
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  al, ar = axes
-  lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
-  lhs_free = [d for d in range(lhs_rank) if d not in lc and d not in lb]
-  rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
-  if al is not None and ar is not None:
-    if al not in lb or ar not in rb or lb.index(al) != rb.index(ar):
-      raise NotRowwise("dot_general contracting the stacked axis")
-    k = lb.index(al)
-    dims = ((drop_axis(lc, al), drop_axis(rc, ar)), (drop_axis(lb, al), drop_axis(rb, ar)))
-    out = k
-  elif al is not None:
-    if al not in lhs_free:
-      raise NotRowwise("dot_general contracting the stacked axis")
-    dims, out = ((drop_axis(lc, al), rc), (drop_axis(lb, al), rb)), len(lb) + lhs_free.index(al)
-  else:
-    if ar not in rhs_free:
-      raise NotRowwise("dot_general contracting the stacked axis")
-    dims = ((lc, drop_axis(rc, ar)), (lb, drop_axis(rb, ar)))
-    out = len(lb) + len(lhs_free) + rhs_free.index(ar)
-  params = clear_params(dict(eqn.params, dimension_numbers=dims), "out_sharding")
-  return RowParams(params, (None, None), (out,))
-
-
-def _bitcast_convert_type(eqn, axes, length):
-  """A bitcast keeps every axis; between dtypes of different widths it adds (to a narrower
-  dtype) or consumes (to a wider one) a trailing axis, which must not be the stacked one."""
-  del length
-  a = _unary(eqn, axes)
-  in_rank, out_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.outvars[0]))
-  if out_rank < in_rank and a == in_rank - 1:
-    raise NotRowwise("bitcast_convert_type merging the stacked axis into wider values")
-  return RowParams(dict(eqn.params), (None,), (a,))
-
-
-def _pad(eqn, axes, length):
-  del length
-  if axes[0] is None or axes[1] is not None:
-    raise NotRowwise("pad with a stacked padding value")
-  a = axes[0]
-  config = eqn.params["padding_config"]
-  if tuple(config[a]) != (0, 0, 0):
-    raise NotRowwise("pad of the stacked axis")
-  return RowParams(dict(eqn.params, padding_config=tuple(c for i, c in enumerate(config)
-                                                          if i != a)), (None, None), (a,))
-
-
-def _gather(eqn, axes, length):
-  """A gather of row indices from a whole operand (a lookup table): its output's batch axes
-  are the indices' axes, so the stacked axis of the indices is one of them."""
-  del length
-  a_operand, a = axes
-  dims = eqn.params["dimension_numbers"]
-  index_rank = len(_shape(eqn.invars[1]))
-  if a_operand is not None or a is None or a == index_rank - 1 or dims.operand_batching_dims:
-    raise NotRowwise("gather from a stacked operand, or along the index vector")
-  out_rank = len(_shape(eqn.outvars[0]))
-  out = [d for d in range(out_rank) if d not in dims.offset_dims][a]
-  row_dims = dims._replace(offset_dims=tuple(d - (d > out) for d in dims.offset_dims))
-  params = clear_params(dict(eqn.params, dimension_numbers=row_dims), "out_sharding")
-  return RowParams(params, (None, None), (out,))
 
 
 class RowReduction(NamedTuple):
@@ -394,18 +157,19 @@ class ParamsRowRule:
 
 def _reduction_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
   """A reduction on a row; with ``partial``, one over the stacked axis is its partial value."""
-  row = ins[0]
-  if not (rows.partial and eqn.primitive in ROW_COMBINE and isinstance(row, _Row)
+  row, primitive = ins[0], primitive_of(eqn)
+  if not (rows.partial and primitive in ROW_COMBINE and isinstance(row, _Row)
           and row.axis in eqn.params["axes"]):
     return _REDUCTION(rows, eqn, ins)
   params = clear_params(dict(eqn.params, axes=drop_axis(eqn.params["axes"], row.axis)),
                         "out_sharding")
-  return [_Partial(eqn.primitive.bind(row.value, **params), eqn.primitive)]
+  (partial,) = _interpreter.bind(eqn, [row.value], params)
+  return [_Partial(partial, primitive)]
 
 
 def _call_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
   """A call (``CALL_PRIMITIVES``): its body evaluated on the rows."""
-  body = call_body(eqn)
+  body = _interpreter.call_body(eqn)
   if body is None:
     raise NoRowRule(eqn.primitive.name)
   rows.axes(eqn, ins)
@@ -448,8 +212,8 @@ def _scan_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
   """A ``scan`` (a ``fori_loop`` with static bounds) whose body runs on the rows it reads: the
   scanned axis of its inputs must not be the stacked one."""
   axes = rows.axes(eqn, ins)
-  p = eqn.params
-  nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+  p = _interpreter.scan_parts(eqn)
+  nc, nk, body = p.num_consts, p.num_carry, p.body
   consts, xs = ins[:nc], ins[nc + nk:]
   if 0 in axes[nc + nk:]:
     raise NotRowwise("scan along the stacked axis")
@@ -466,8 +230,8 @@ def _scan_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
     y_axes[:] = [rows.output_axis(o) for o in outs[nk:]]
     return [rows.conform(o, a) for o, a in zip(outs[:nk], carry_axes)], _unwrap(outs[nk:])
 
-  out_carry, ys = lax.scan(step, _unwrap(carry), _unwrap(xs), length=p["length"],
-                           reverse=p["reverse"], unroll=p["unroll"])
+  out_carry, ys = lax.scan(step, _unwrap(carry), _unwrap(xs), length=p.length,
+                           reverse=p.reverse, unroll=p.unroll)
   return [*_wrap_axes(out_carry, carry_axes),
           *_wrap_axes(ys, [None if a is None else a + 1 for a in y_axes])]
 
@@ -476,8 +240,7 @@ def _while_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
   """A ``while_loop`` (a ``fori_loop`` with traced bounds) whose carry holds rows: its body runs
   on them, and its predicate must be the same for every row."""
   rows.axes(eqn, ins)
-  p = eqn.params
-  nc, nb, cond, body = p["cond_nconsts"], p["body_nconsts"], p["cond_jaxpr"], p["body_jaxpr"]
+  nc, cond, nb, body = _interpreter.while_parts(eqn)
   cond_consts, body_consts = ins[:nc], ins[nc:nc + nb]
   carry = _loop_carry(rows, ins[nc + nb:], lambda c: _out_axes(rows, body, [*body_consts, *c]))
   carry_axes = _axes_of(carry)
@@ -498,7 +261,7 @@ def _cond_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
   ``vmap`` makes it): each branch runs on the rows, its outputs stacked where any branch's are."""
   rows.axes(eqn, ins)
   index, ops = ins[0], ins[1:]
-  branches = eqn.params["branches"]
+  branches = _interpreter.cond_branches(eqn)
   out_axes = []
   for col in zip(*[_out_axes(rows, b, ops) for b in branches]):
     found = {a for a in col if a is not None}
@@ -517,61 +280,18 @@ def _cond_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
   return _wrap_axes(outs, out_axes)
 
 
-_ELEMENTWISE = (
-    "abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz "
-    "complex conj convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 "
-    "expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt "
-    "max min mul ne neg nextafter not or polygamma population_count pow real reduce_precision rem "
-    "round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt "
-    "square stop_gradient sub tan tanh xor zeta").split()
-_REDUCTIONS = ("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
-               "argmax argmin").split()
-_REDUCTION = ParamsRowRule(_reduction)
+_REDUCTION = ParamsRowRule(PARAMS_RULES[P.reduce_sum_p])
 
+# Every primitive's row rule: the parameter rules lifted (``ParamsRowRule``), reductions that
+# may keep their partial value over the stacked axis, and the rules that run bodies on rows.
 ROW_RULES: dict[jcore.Primitive, RowRule] = {
-    **{getattr(P, f"{name}_p"): ParamsRowRule(_elementwise)
-       for name in _ELEMENTWISE if hasattr(P, f"{name}_p")},
-    **{getattr(P, f"{name}_p"): _reduction_rule for name in _REDUCTIONS},
-    **{getattr(P, f"{name}_p"): ParamsRowRule(_along("axis"))
-       for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
-    P.broadcast_in_dim_p: ParamsRowRule(_broadcast_in_dim),
-    P.reshape_p: ParamsRowRule(_reshape),
-    P.transpose_p: ParamsRowRule(_transpose),
-    P.squeeze_p: ParamsRowRule(_squeeze),
-    P.slice_p: ParamsRowRule(_slice),
-    P.concatenate_p: ParamsRowRule(_along("dimension")),
-    P.dot_general_p: ParamsRowRule(_dot_general),
-    P.sharding_constraint_p: ParamsRowRule(_sharding_constraint),
-    RESHARD_P: ParamsRowRule(_reshard),
-    P.bitcast_convert_type_p: ParamsRowRule(_bitcast_convert_type),
-    P.pad_p: ParamsRowRule(_pad),
-    P.gather_p: ParamsRowRule(_gather),
+    **{p: ParamsRowRule(how) for p, how in PARAMS_RULES.items()},
+    **dict.fromkeys(REDUCTIONS, _reduction_rule),
     **dict.fromkeys(CALL_PRIMITIVES, _call_rule),
     P.scan_p: _scan_rule,
     P.while_p: _while_rule,
     P.cond_p: _cond_rule,
 }
-
-# Equations that keep each row of their one operand a row of their output: the operations that
-# may stand between a stored stacked param and the scan that reads it (``apply_path``).
-PATH_PRIMITIVES = frozenset([
-    P.convert_element_type_p, P.copy_p, P.reduce_precision_p, P.transpose_p, P.reshape_p,
-    P.squeeze_p, P.broadcast_in_dim_p, P.sharding_constraint_p,
-])
-
-
-def row_params(eqn: jcore.JaxprEqn, axes: Sequence[int | None], length: int) -> RowParams:
-  """How ``eqn``, whose primitive's row rule rewrites params (``ParamsRowRule``), runs when the
-  inputs with an axis in ``axes`` are rows.
-
-  Raises:
-    NotRowwise: the equation combines different rows.
-    NoRowRule: its primitive has no parameter rule.
-  """
-  rule = ROW_RULES.get(eqn.primitive)
-  if not isinstance(rule, ParamsRowRule):
-    raise NoRowRule(eqn.primitive.name)
-  return rule.how(eqn, list(axes), length)
 
 
 class _RowEvaluator(Interpreter):
@@ -592,10 +312,10 @@ class _RowEvaluator(Interpreter):
   def default(self, eqn, ins):
     if not any(isinstance(x, (_Row, _Partial)) for x in ins):
       return bind_shared(eqn, ins)
-    rule = ROW_RULES.get(eqn.primitive)
+    rule = ROW_RULES.get(primitive_of(eqn))
     if rule is None:
       raise NoRowRule(eqn.primitive.name)
-    return rule(self, eqn, ins)
+    return run_rule(eqn, rule, self, eqn, ins)
 
   def axes(self, eqn: jcore.JaxprEqn, ins: list) -> list[int | None]:
     """The stacked axis of each input (``None``: full) of an equation that cannot read a
@@ -612,12 +332,7 @@ class _RowEvaluator(Interpreter):
     """``eqn`` bound on rows with the params ``how`` gives; its outputs as ``_Row``s."""
     vals = [x.value if isinstance(x, _Row) else x if a is None else self.take(x, a)
             for x, a in zip(ins, how.full_axes)]
-    if how.params is None:
-      outs = vals[:1]
-    else:
-      with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*vals, **how.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
+    outs = vals[:1] if how.params is None else _interpreter.bind(eqn, vals, how.params)
     return [_Row(o, a) for o, a in zip(outs, how.out_axes)]
 
   def output_axis(self, x) -> int | None:
@@ -702,17 +417,6 @@ def evaluate_row_reductions(jaxpr: jcore.Jaxpr, args: Sequence[Any], is_row: Seq
   if not all(isinstance(o, _Partial) for o in outs):
     raise NotRowwise("a statistic that is not a reduction over the stacked axis")
   return [(o.value, o.reduction) for o in outs]
-
-
-def path_axis(path: Sequence[jcore.JaxprEqn], axis: int, length: int) -> int:
-  """Where the stacked axis ``axis`` of a stored leaf is after the equations of ``path``.
-
-  Raises:
-    NotRowwise: an equation of the path mixes rows.
-  """
-  for eqn in path:
-    (axis,) = row_params(eqn, [axis], length).out_axes
-  return axis
 
 
 def apply_path(path: Sequence[jcore.JaxprEqn], row, axis: int, index, length: int):

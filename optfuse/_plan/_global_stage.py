@@ -101,7 +101,7 @@ class _Flattener(_interpreter.Interpreter):
 
   def cond(self, eqn: jcore.JaxprEqn) -> list:
     index, ops = eqn.invars[0], eqn.invars[1:]
-    branches = eqn.params["branches"]
+    branches = _interpreter.cond_branches(eqn)
     columns = zip(*(_interpreter.output_dependencies(b.jaxpr, [self.dep(v) for v in ops])
                     for b in branches))
     outs = [jcore.Var(v.aval) for v in eqn.outvars]

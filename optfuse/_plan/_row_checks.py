@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
-from optfuse._jaxpr import _rows
+from optfuse._jaxpr import _interpreter, _row_params, _rows
 from optfuse._plan import _in_place
 from optfuse._plan._fields import LeafGroup, slots_only
 
@@ -23,8 +23,8 @@ MIXES_ROWS = "its update mixes rows"
 def _unpacks_bits(jaxpr: jcore.Jaxpr) -> bool:
   """Whether ``jaxpr`` (or a sub-jaxpr) bitcasts between dtypes: it reads packed state
   (``optfuse.low_bit``'s codes), so updating it whole holds float copies of the stack."""
-  return any(eqn.primitive is P.bitcast_convert_type_p or
-             any(_unpacks_bits(sub) for sub in jcore.jaxprs_in_params(eqn.params))
+  return any(_interpreter.primitive_of(eqn) is P.bitcast_convert_type_p or
+             any(_unpacks_bits(sub) for sub in _interpreter.inner_jaxprs(eqn))
              for eqn in jaxpr.eqns)
 
 
@@ -124,6 +124,8 @@ class RowChecks:
       if stats and self.stats is not None:
         jax.eval_shape(lambda g: [v for v, _ in self.run_stats_row(i, g, state, params, 0,
                                                                    length, axis)], row)
+    except _row_params.RowRuleError as e:
+      return f"{e} (an error in optfuse: please report it; the leaf is updated after the loop)"
     except _rows.NoRowRule as e:
       return (f"its update runs {e.primitive} on its rows, which has no row rule yet (whether it "
               "mixes rows is not known)")

@@ -1,0 +1,146 @@
+"""Prints the margins of the low-bit and Muon equivalence checks: how close each passing fused
+run is to failing, and how far beyond the check each injected error (tests/faults.py) lands.
+
+Usage::
+
+  python -m tests.low_bit_margins            # the cases the default suite runs
+  python -m tests.low_bit_margins --all      # and the ones under -m slow
+
+It runs the tests' own cases with the tests' own criteria, under the suite's XLA settings
+(tests/conftest.py: the CPU, ``--xla_backend_optimization_level=0`` unless XLA_FLAGS sets a
+level). For the spread check (tests/models.py) a distance is in units of the width accepted
+(the check passes a leaf below 1), the largest over the losses and the params leaves; "tol" where
+every leaf is within LOW_BIT_TOL of the reference. "width" is the widest accepted width over the
+leaves as a fraction of how far the reference moved that leaf, against the cap SPREAD_CAP. For
+float32 Muon against the hand-written optax loop a distance is in units of ``np.allclose``'s
+tolerance, ``max |got - want| / (atol + rtol |want|)`` (the check passes below 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+from collections.abc import Iterator
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402  (after the environment above)
+import numpy as np  # noqa: E402
+
+import optfuse  # noqa: E402
+from tests import models  # noqa: E402
+from tests import test_low_bit_fusion as fusion  # noqa: E402
+from tests import test_muon as muon  # noqa: E402
+
+FAULTS = ("lr_1pct_off", "count_frozen", "row_skipped")
+
+
+def _spread_margin(judged: list[models.Judged]) -> str:
+  beyond = [j for j in judged if not j.within_tol]
+  if not beyond:
+    return "tol"
+  worst = max(beyond, key=lambda j: j.margin)
+  return f"{worst.margin:.3g} ({worst.name})"
+
+
+def _width(spread: models.Spread) -> str:
+  """The widest width accepted, as a fraction of how far the reference moved that leaf."""
+  fractions = [w * models.SPREAD_CAP / c if c else float("inf")
+               for w, c in zip(spread.widths, spread.caps)]
+  i = int(np.argmax(fractions))
+  return f"{fractions[i]:.2g} ({spread.names[i]})"
+
+
+def _low_bit_rows(cases: list[tuple[str, str]]) -> Iterator[list[str]]:
+  for optimizer, model in cases:
+    params, loss = fusion.MODELS[model]()
+    for modes, clip in ((("backward",), False), (("forward", "two_pass"), True)):
+      reference = fusion._with_clipping(fusion.low_bit_tx(optimizer), modes[-1])
+      spread = models.reference_spread(
+          fusion._optax_reference(reference, loss, params, fusion.STEPS), params)
+      for mode in modes:
+        got = fusion._run(fusion._fuse(reference, mode), loss, params, fusion.STEPS)
+        row = [f"{optimizer} {model} {mode}", _width(spread),
+               _spread_margin(models.judge(got, spread))]
+        for name in FAULTS:
+          if clip:
+            row.append("")
+            continue
+          fault = fusion.injected_faults(model)[name]
+          tx = fusion.low_bit_tx(optimizer, fault)
+          bad = fusion._run(fusion._fuse(tx, mode), loss, params, fusion.STEPS)
+          unread = name == "count_frozen" and optimizer in fusion.COUNT_UNREAD
+          row.append(_spread_margin(models.judge(bad, spread)) + (" count unread" if unread
+                                                                  else ""))
+        yield row
+
+
+def _low_bit_microbatch_rows() -> Iterator[list[str]]:
+  """test_microbatches_with_low_bit_state_match_the_unfused_microbatched_step's cases."""
+  params, loss = fusion.MODELS["axis0"]()
+  for mode in ("backward", "forward"):
+    tx = fusion._with_clipping(fusion.low_bit_tx("adamw_8bit"), mode)
+    spread = models.reference_spread(lambda ulps, tx=tx: fusion._run(
+        optfuse.fuse(tx, mode="off"), loss, models.nudge(params, ulps), 10,
+        microbatches=2), params)
+    got = fusion._run(fusion._fuse(tx, mode), loss, params, 10, microbatches=2)
+    yield [f"adamw_8bit axis0 {mode} 2 microbatches", _width(spread),
+           _spread_margin(models.judge(got, spread)), "", "", ""]
+
+
+def _muon_rows(cases: list[tuple[int, int]]) -> Iterator[list[str]]:
+  for layer_axis, bits in cases:
+    spread = models.reference_spread(
+        muon.low_bit_reference(muon.low_bit_muon(layer_axis, bits), layer_axis),
+        muon.decoder_params(layer_axis), muon.MUON_NUDGES)
+    run = lambda tx, axis=layer_axis: models.run_fused(
+        tx, "backward", muon.decoder_params(axis), muon._batches(), 20, muon._loss(axis))[:2]
+    row = [f"low-bit Muon {bits}-bit axis{layer_axis} backward", _width(spread),
+           _spread_margin(models.judge(run(muon.low_bit_muon(layer_axis, bits)), spread))]
+    row += [_spread_margin(models.judge(
+                run(muon.low_bit_muon(layer_axis, bits, muon.muon_faults(layer_axis)[name])),
+                spread)) for name in FAULTS]
+    yield row
+
+
+def _allclose_margin(got, want) -> str:
+  ratios = [float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))
+                         / (muon.ATOL + muon.RTOL * np.abs(np.asarray(w, np.float64)))))
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
+  return f"{max(ratios):.3g}"
+
+
+def _muon_optax_rows(options: list[str]) -> Iterator[list[str]]:
+  for name in options:
+    want = muon.optax_reference(muon._muon(), muon.FUSED_OPTIONS[name].get("microbatches", 1))
+    row = [f"Muon {name} vs optax loop", "",
+           _allclose_margin(muon._fused_run(name, muon._muon()), want)]
+    row += [_allclose_margin(muon._fused_run(name, muon.muon_faults()[fault](muon._muon())), want)
+            for fault in FAULTS]
+    yield row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--all", action="store_true", help="also the cases under -m slow")
+  every = parser.parse_args().all
+  low_bit = [("adamw_8bit", "axis0"), ("adamw_4bit", "axis1")]
+  low_bit += [("adamw_8bit", "axis1"), ("adamw_4bit", "axis0"), ("lion_8bit", "axis0"),
+              ("sgd_momentum_4bit", "axis0")] if every else []
+  low_bit_muon = [(0, 8)] + ([(1, 8), (0, 4)] if every else [])
+  rows = itertools.chain(_low_bit_rows(low_bit), _low_bit_microbatch_rows(),
+                         _muon_rows(low_bit_muon),
+                         _muon_optax_rows(sorted(muon.FUSED_OPTIONS)))
+  header = ["case", f"width / movement (cap {models.SPREAD_CAP:g})", "fused run", *FAULTS]
+  print("| " + " | ".join(header) + " |")
+  print("|" + "---|" * len(header))
+  for row in rows:
+    print("| " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
