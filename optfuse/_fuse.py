@@ -14,7 +14,7 @@ from optfuse._base._options import FuseOptions
 from optfuse._engines._backward import BackwardEngine
 from optfuse._engines._engine import Engine, PlacedStep, Step, without_placements
 from optfuse._engines._forward import ForwardEngine
-from optfuse._engines._offload import OffloadEngine
+from optfuse._engines._offload import OffloadEngine, with_params_placed
 from optfuse._engines._two_pass import TwoPassEngine
 from optfuse._engines._unfused import OffEngine
 from optfuse._jaxpr import _interpreter
@@ -58,7 +58,7 @@ class FusedTransformation(NamedTuple):
 
   @property
   def offload(self) -> str | None:
-    """``None`` or ``"state"``."""
+    """``None``, ``"state"`` or ``"params"``."""
     return self.options.offload
 
   @property
@@ -110,8 +110,11 @@ def fuse(tx: optax.GradientTransformation, mode: str | None = None,
       streams them through the device: one row per fused loop iteration, prefetched an
       iteration ahead, and each tapped leaf's slots whole at its tap. Forward mode keeps the
       pending gradient there too and streams both into its forward loop (global clipping
-      included). Mode "off" fetches the whole state for optax's update. ``None`` (default): the
-      state lives on the device.
+      included). Mode "off" fetches the whole state for optax's update. ``"params"``: the
+      state as with ``"state"``, and the param stacks the fused loops update too (backward and
+      forward modes): each layer's rows are fetched for its forward and its backward iteration
+      and the new rows written back to the host there; place the params with
+      ``optfuse.params_to_host``. ``None`` (default): the state lives on the device.
     guard: backward mode only. ``True``: the first trace of the step for given input shapes
       compiles it twice more (every loop fused; every fused leaf tapped; with several fused
       scans, once more per scan) for the platform it is traced for, and keeps the placement
@@ -126,7 +129,8 @@ def fuse(tx: optax.GradientTransformation, mode: str | None = None,
   Raises:
     UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
       not ``None`` or "two_pass".
-    OffloadError: ``offload`` is not ``None`` or "state", or is given with ``global_ops``.
+    OffloadError: ``offload`` is not ``None``, "state" or "params", or is given with
+      ``global_ops``, or is "params" in mode "off".
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
     OptionsError: ``options`` is given with a keyword that contradicts it.
 
@@ -167,7 +171,10 @@ class _ValueAndUpdate:
 
   def __call__(self, loss_fn: Callable, has_aux: bool = False, *,
                microbatches: int | None = None) -> Step:
-    return without_placements(self.placed(loss_fn, has_aux, microbatches))
+    step = self.placed(loss_fn, has_aux, microbatches)
+    if self.engine.options.offload == "params":
+      step = with_params_placed(step)
+    return without_placements(step)
 
 
 def fuse_with(tx: optax.GradientTransformation, options: FuseOptions) -> FusedTransformation:

@@ -152,3 +152,8 @@ def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps(
   assert example.state_bytes("muon", params, 8) < example.state_bytes("muon", params, 32) / 3
   seconds = example.time_steps(rounds=1, steps_per_round=1, config=config)
   assert all(len(s) == 1 and s[0] > 0 for s in seconds.values())
+
+
+def test_offload_params_trains_like_optax_with_the_params_in_host_memory():
+  example = _load("offload_params")
+  assert example.train_check(steps=3) < TOL

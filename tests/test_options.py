@@ -90,7 +90,11 @@ def test_train_step_and_the_flax_adapters_accept_and_refuse_what_the_table_says(
                                                        microbatches=microbatches, **keywords))
 
   def linen_step():
-    state = optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=LION, **keywords)
+    placed = params
+    if keywords["offload"] == "params":  # the loop stacks in host memory, where it keeps them
+      placed = optfuse.params_to_host(optfuse.fuse(LION, **keywords), models.scanned_loss,
+                                      params, *batch)
+    state = optfuse.linen.TrainState.create(apply_fn=None, params=placed, tx=LION, **keywords)
     # Traced, not run: the step is built, and refused, before anything is compiled.
     return jax.eval_shape(lambda s: s.value_and_update(models.scanned_loss, *batch,
                                                        microbatches=microbatches)[0], state)
@@ -154,9 +158,18 @@ def test_describe_and_the_memory_reports_accept_and_refuse_what_the_table_says(c
     for kwargs in given:
       compiled.clear()
       if _as_the_table_says(combo, lambda r=report, o=kwargs: r(**o)) is not None:
-        # Both compile every mode with the options in that mode (``FuseOptions.for_mode``).
+        # Both compile every mode with the options in that mode (``FuseOptions.for_mode``),
+        # each mode the options run in (offload="params" has no mode "off").
         assert compiled == {mode: (options.for_mode(mode), microbatches)
-                            for mode in _memory.MODES}, name
+                            for mode in _memory.MODES if _runs_in(options, mode)}, name
+
+
+def _runs_in(options: optfuse.FuseOptions, mode: str) -> bool:
+  try:
+    options.for_mode(mode)
+  except optfuse.OffloadError:
+    return False
+  return True
 
 
 def test_every_entry_point_refuses_options_given_twice_that_disagree(monkeypatch):
@@ -246,6 +259,8 @@ def test_describe_reports_where_the_traced_step_updates_each_leaf(combo):
   options, microbatches = optfuse.FuseOptions(**_options_of(combo)), combo["microbatches"]
   fx = optfuse.fuse(_tx(options), options=options)
   params, batch = models.stacked_params(), _batch()
+  if options.offload == "params":  # the loop stacks in host memory, where the step keeps them
+    params = optfuse.params_to_host(fx, models.scanned_loss, params, *batch)
   step = jax.jit(fx.value_and_update(models.scanned_loss, microbatches=microbatches),
                  donate_argnums=(0, 1))
   traced = step.trace(params, fx.init(params), *batch).jaxpr.jaxpr
@@ -265,6 +280,8 @@ def test_describe_reports_where_the_traced_step_updates_each_leaf(combo):
   assert set(described.reasons) == (set() if in_loops or options.mode == "off" else stacked)
   # (Each leaf's slots, where the transformation splits per leaf: not clipped Lion's.)
   assert set(described.state.values()) <= {"host" if options.offload else "device"}
+  assert described.params == {p: "host" if options.offload == "params" and p in stacked
+                              else "device" for p in paths}
 
 
 def test_describe_of_a_plain_optax_transformation_is_that_of_its_default_fused_step():

@@ -26,22 +26,28 @@ class Placements(dict):
     warnings: leaf path -> what the optimizer does to a stacked leaf that was likely not
       meant, and what to do instead: a Muon that leaves a stacked leaf of rank 3 or more to its
       AdamW fallback, or orthogonalises one across its layers (``optfuse.stacked_muon_dims``).
+    params: leaf path -> where the float param leaf lives between steps, "host" (streamed
+      through its fused loop, ``offload="params"``) or "device".
   """
 
   def __init__(self, where: Mapping[str, str], reasons: Mapping[str, str],
                state: Mapping[str, str] | None = None,
-               warnings: Mapping[str, str] | None = None):
+               warnings: Mapping[str, str] | None = None,
+               params: Mapping[str, str] | None = None):
     super().__init__(where)
     self.reasons = dict(reasons)
     self.state = dict(state or {})
     self.warnings = dict(warnings or {})
+    self.params = dict(params or {})
 
   def table(self) -> str:
-    """One line per leaf: its path, where it runs, where its state lives (when any lives in
-    host memory), if a stacked leaf is not fused, why, and its warning if it has one."""
+    """One line per leaf: its path, where it runs, where its params and its state live (each
+    when any lives in host memory), if a stacked leaf is not fused, why, and its warning if it
+    has one."""
     width = max(map(len, self), default=0)
-    host = "host" in self.state.values()
-    state = lambda path: f"  state on {self.state.get(path, 'device')}" if host else ""
+    on = lambda what, where, path: (f"  {what} on {where.get(path, 'device')}"
+                                    if "host" in where.values() else "")
+    state = lambda path: on("params", self.params, path) + on("state", self.state, path)
     note = lambda notes, path, head="": f"  ({head}{notes[path]})" if path in notes else ""
     return "\n".join(f"{path.ljust(width)}  {where}{state(path)}{note(self.reasons, path)}"
                      f"{note(self.warnings, path, 'warning: ')}"
@@ -84,7 +90,9 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     (whole), once, after the loop over the microbatches (before it in forward mode). Mode "off":
     ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged). Its
     ``state`` says where each leaf's optimizer-state slots live: ``"host"`` with
-    ``offload="state"``, else ``"device"``. Its ``warnings`` name the stacked leaves a Muon
+    ``offload="state"`` (or ``"params"``), else ``"device"``; its ``params`` where each float
+    param leaf lives: ``"host"`` for a leaf placed ``"loop"`` with ``offload="params"``, else
+    ``"device"``. Its ``warnings`` name the stacked leaves a Muon
     (``optax.contrib.muon``) leaves to its AdamW fallback while of rank 3 or more, or
     orthogonalises across their layers, and say what to do: pass
     ``muon_weight_dimension_numbers=optfuse.stacked_muon_dims`` (in the modes that fuse loops,
@@ -134,7 +142,9 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
                     {paths[i]: why for i, why in reasons.items()
                      if i in diff and placed.get(i) != "loop"},
                     _state_memory(fx.tx, params, paths, diff, offload),
-                    {paths[i]: why for i, why in warnings.items()})
+                    {paths[i]: why for i, why in warnings.items()},
+                    {paths[i]: "host" if fx.offload == "params" and label(i) == "loop"
+                     else "device" for i in sorted(diff)})
 
 
 def _fused(tx, options: FuseOptions | None) -> _fuse.FusedTransformation:

@@ -407,8 +407,9 @@ def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: 
                                                      len(resolved.devices))
   cap = _cap(max_batch, unit)
   modes = (modes,) if isinstance(modes, str) else tuple(_memory.MODES if modes is None else modes)
-  for mode in modes:
-    given.for_mode(mode)  # an unknown mode is refused before anything compiles
+  for mode in modes:  # an unknown mode is refused before anything compiles
+    if mode not in _options.MODES:
+      given.for_mode(mode)
   fused = lambda mode: _fuse.fuse(tx, options=given.for_mode(mode))
   if _args_bytes(_as_args(args_for(2 * unit))) <= _args_bytes(_as_args(args_for(unit))):
     raise BudgetError(

@@ -25,6 +25,7 @@ import jax
 import optax
 
 from optfuse import _fuse
+from optfuse._analysis import _params_memory
 from optfuse._base import _checks, _options
 from optfuse._base._errors import LowBitError, NonSeparableError, OffloadError
 from optfuse._base._options import FuseOptions
@@ -134,6 +135,7 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
     state = _inputs.state_on(init, params, target)
   if fx.offload is not None:
     state = _inputs.offloaded_on(state, target)
+    params = _params_memory.abstract_params_on_host(fx, loss_fn, params, args, kwargs, target)
   step = jax.jit(fx.value_and_update(loss_fn, has_aux=has_aux, **step_options),
                  donate_argnums=(0, 1))
   if target is None:
@@ -295,7 +297,8 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       compiled).
     offload: ``"state"`` compiles every mode with ``optfuse.fuse(tx, mode,
       offload="state")`` (a reserved keyword too): the state's slots in host memory, reported
-      apart as ``host_bytes``.
+      apart as ``host_bytes``; ``"params"`` the fused modes with the param stacks of their
+      loops in host memory too (``optfuse.params_to_host``; mode "off" is unavailable).
     guard: ``True`` compiles backward mode with ``optfuse.fuse(tx, guard=True)`` (a reserved
       keyword too): its loops kept only where they lower the peak on ``target``.
     state_bits: 8 or 4 plans ``optfuse.low_bit(tx, bits=state_bits)`` (a reserved keyword

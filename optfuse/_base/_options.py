@@ -33,7 +33,7 @@ from optfuse._base._errors import (
 # What each option accepts.
 MODES = ("backward", "forward", "off")
 GLOBAL_OPS = (None, "two_pass")
-OFFLOADS = (None, "state")
+OFFLOADS = (None, "state", "params")
 GUARDS = (False, True)
 
 
@@ -43,35 +43,40 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
   Args:
     mode: "backward", "forward" or "off".
     global_ops: ``None`` or "two_pass".
-    offload: ``None`` or "state".
+    offload: ``None``, "state" or "params".
     guard: ``True`` or ``False``.
     microbatches: ``None`` or a positive int, the step's (``value_and_update``'s).
 
   Returns:
     ``None`` when the combination runs; else the error, not raised, whose message names the
     option and what to pass instead: ``UnknownModeError`` (a mode or ``global_ops`` that does
-    not exist), ``OffloadError`` (an unknown ``offload``, or ``offload="state"`` with
-    ``global_ops``), ``GuardError`` (a ``guard`` that is not a bool, ``True`` outside
-    backward mode, or ``True`` with microbatches), ``MicrobatchError`` (``microbatches`` is
-    not a positive int or ``None``).
+    not exist), ``OffloadError`` (an unknown ``offload``, an ``offload`` with ``global_ops``,
+    ``offload="params"`` in mode "off" or with microbatches), ``GuardError`` (a ``guard``
+    that is not a bool, ``True`` outside backward mode, or ``True`` with microbatches),
+    ``MicrobatchError`` (``microbatches`` is not a positive int or ``None``).
   """
   if mode not in MODES:
     return UnknownModeError(f"unknown mode {mode!r}; use one of {', '.join(map(repr, MODES))}.")
   if global_ops not in GLOBAL_OPS:
     return UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
   if offload not in OFFLOADS:
-    return OffloadError(f'unknown offload {offload!r}; use None or "state".')
+    return OffloadError(f'unknown offload {offload!r}; use None, "state" or "params".')
+  if offload == "params" and mode == "off":
+    return OffloadError(
+        'offload="params" streams params through the fused loops of modes "backward" and '
+        '"forward", and mode="off" has none. Use offload="state" (or a fused mode).')
   if offload is not None and global_ops is not None and mode == "forward":
     # forward fusion runs global transforms without global_ops
     return OffloadError(
-        f'offload="state" runs without global_ops, and mode="forward" needs none: it runs '
+        f'offload={offload!r} runs without global_ops, and mode="forward" needs none: it runs '
         f'global transforms exactly, with the pending gradient streamed too. Drop '
         f'global_ops={global_ops!r}.')
   if offload is not None and global_ops is not None:
     return OffloadError(
-        f'offload="state" runs in modes "backward", "forward" and "off" without global_ops, not '
-        f'in mode={mode!r} with global_ops={global_ops!r}. For global clipping with offloaded '
-        'state use mode="forward", which streams the pending gradient too.')
+        f'offload={offload!r} runs in modes "backward" and "forward" (and "state" in "off") '
+        f'without global_ops, not in mode={mode!r} with global_ops={global_ops!r}. For global '
+        'clipping with offloaded state use mode="forward", which streams the pending gradient '
+        'too.')
   if not isinstance(guard, bool):
     return GuardError(f"guard must be True or False, not {guard!r}.")
   if guard and mode != "backward":
@@ -79,6 +84,11 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
                       'mode="backward", or guard=False.')
   if microbatches is not None and not is_positive_int(microbatches):
     return MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
+  if offload == "params" and microbatches is not None and microbatches > 1:
+    return OffloadError(
+        "offload='params' streams params through the loops of one backward pass; with "
+        "microbatches the update after the accumulation loop would read the whole stacks. "
+        "Use offload='state' with microbatches, or microbatches=None.")
   if guard and microbatches is not None and microbatches > 1:
     return GuardError(
         f"guard=True chooses between fusing the update in the loops of the loss and tapping it, "
@@ -108,13 +118,14 @@ class FuseOptions:
   Attributes:
     mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
     global_ops: ``None`` or ``"two_pass"``.
-    offload: ``None`` or ``"state"``.
+    offload: ``None``, ``"state"`` or ``"params"``.
     guard: whether backward mode keeps only the loops that lower the compiled peak.
 
   Raises:
     UnknownModeError: ``mode`` is not "backward", "forward" or "off", or ``global_ops`` is not
       ``None`` or "two_pass".
-    OffloadError: ``offload`` is not ``None`` or "state", or is given with ``global_ops``.
+    OffloadError: ``offload`` is not ``None``, "state" or "params", or is given with
+      ``global_ops``, or is "params" in mode "off".
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
 
   Examples:
@@ -150,6 +161,7 @@ class FuseOptions:
     Raises:
       MicrobatchError: ``microbatches`` is not a positive int or ``None``.
       GuardError: ``guard=True`` with more than one microbatch.
+      OffloadError: ``offload="params"`` with more than one microbatch.
     """
     error = refusal(self.mode, self.global_ops, self.offload, self.guard, microbatches)
     if error is not None:

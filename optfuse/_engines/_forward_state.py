@@ -64,7 +64,7 @@ def to_optax_state(fx, params, state) -> tuple[Any, Any]:
     ``(params, opt_state)`` where ``opt_state`` has the structure of ``fx.tx.init(params)``: in
     forward mode after applying the pending update, otherwise ``state`` itself; with
     ``offload="state"`` moved to device memory, where optax's own code (``optax.tree``
-    utilities, a plain optax step) can read it.
+    utilities, a plain optax step) can read it; with ``offload="params"`` the params too.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optfuse
@@ -79,8 +79,8 @@ def to_optax_state(fx, params, state) -> tuple[Any, Any]:
   if fx.mode == "forward":
     params, state = fx.flush(params, state)
     state = state.opt_state
-  if getattr(fx, "offload", None) is not None:
-    state = tree_to_device(state)
+  if getattr(fx, "offload", None) is not None:  # "params": the loops' param stacks too
+    params, state = tree_to_device(params), tree_to_device(state)
   return params, state
 
 

@@ -37,6 +37,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
+from optfuse._base._memory_spaces import is_host
 from optfuse._fusion import _fused_scan
 from optfuse._fusion._fused_scan import PreUpdate as PreUpdate
 from optfuse._fusion._sites import REWRAPPED_CALLS, Finder, View, entered_calls
@@ -107,7 +108,11 @@ def _trace_loss(loss_fn, params_def, param_leaves, args, kwargs):
     return loss_fn(jax.tree.unflatten(params_def, p_leaves), *a, **kw)
 
   dyn = [a for a, d in zip(arg_leaves, dynamic) if d]
-  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(list(param_leaves), dyn)
+  # A host-resident stack (``offload="params"``) is traced as the device value each of its rows
+  # becomes in the loop that reads it (``_row_buffers.row_at``).
+  traced = [jax.ShapeDtypeStruct(p.shape, p.dtype, weak_type=jax.typeof(p).weak_type)
+            if is_host(p) else p for p in param_leaves]
+  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(traced, dyn)
   return closed, jax.tree.structure(out_shape), dynamic
 
 

@@ -117,10 +117,18 @@ def write_stack(stack: Stack, param_row, slot_rows, index) -> Stack:
   param, at = stack.param, index
   if param_row is not None:
     param = write_param_row(param, param_row, index, stack.axis)
-    at = after(index, param)
+    at = after(index, _written(param, param_row))
   slots = tuple(s if r is None else write_row(s, r, at, stack.axis)
                 for s, r in zip(stack.slots, slot_rows or [None] * len(stack.slots)))
   return Stack(param, slots, stack.axis)
+
+
+def _written(param, row):
+  """What the slot rows of a leaf are ordered after once its param ``row`` is written into
+  ``param``: the new stack, or with the stack in host memory (``offload="params"``) the row
+  itself, which exists only once the old slot rows are read (reading an element of the host
+  stack would be a computation in host memory, which the compilers move to the host)."""
+  return row if is_host(param) else param
 
 
 def ordered() -> bool:
@@ -151,7 +159,7 @@ def write_stack_rereading(stack: Stack, param_row, slot_fn: Callable, index) -> 
   recomputes the new slots, which the param update computed already.
   """
   param = write_param_row(stack.param, param_row, index, stack.axis)
-  at = after(index, param)
+  at = after(index, _written(param, param_row))
   new_rows = slot_fn([row_at(s, at, stack.axis) for s in stack.slots])
   slots = tuple(write_row(s, r, at, stack.axis) for s, r in zip(stack.slots, new_rows))
   return Stack(param, slots, stack.axis)

@@ -1,0 +1,116 @@
+"""The sharded runs behind ``test_offload_params.py``, on eight simulated CPU devices.
+
+Usage::
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+      python tests/_params_sharding_worker.py OUT_DIR [--steps N]
+
+The scanned MLP of ``_sharding_worker.py``, seven layers deep (six stacked blocks, which the
+fused loops take), on each layout of ``LAYOUTS`` (Auto mesh axes): data parallel (params and
+AdamW state replicated) and FSDP (sharded along "fsdp"). Each runs plain optax, then backward
+and forward fusion with ``offload="params"``, each leaf its fused loop streams in
+host memory and sharded like its device-resident twin. For each the worker records the output
+shardings that differ from the inputs', the all-gathers of its compiled HLO and the memory kinds
+of the params it returns, trains ``N`` steps, and writes ``OUT_DIR/report.json`` and the
+losses and final params and state (on the device) to ``OUT_DIR/results.npz``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _sharding_worker as worker  # noqa: E402
+
+import optfuse  # noqa: E402
+
+DEPTH = 7
+IMPLS = ("optax", "backward", "forward")
+LAYOUTS = ("fsdp", "data_parallel")
+
+
+def _host_like(shardings, tree):
+  """``shardings`` in ``pinned_host`` memory where ``tree``'s leaves are."""
+  return jax.tree.map(lambda sh, x: sh.with_memory_kind("pinned_host")
+                      if x.sharding.memory_kind == "pinned_host" else sh, shardings, tree)
+
+
+def run(layout: str, impl: str, steps: int) -> tuple[dict, dict]:
+  """Compiles and trains one implementation; returns ``(report, arrays)``."""
+  worker.DEPTH = DEPTH
+  mesh = worker.make_mesh(layout, "auto")
+  loss = functools.partial(worker.loss_fn, model="scan")
+  params = worker.init_params("scan", 32)
+  data = worker.batches(steps)
+  if impl == "optax":
+    initable, step, placed = worker.TX, worker.optax_step(loss), params
+  else:
+    fx = optfuse.fuse(worker.TX, impl, offload="params")
+    initable, step = fx, fx.value_and_update(loss)
+    placed = optfuse.params_to_host(fx, loss, params, *data[0])
+  state = initable.init(params)
+  opt_state = state.opt_state if impl == "forward" else state
+  with jax.set_mesh(mesh):
+    param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                   worker.param_specs(params, layout))
+    state_shardings = optax.tree_utils.tree_map_params(
+        worker.TX, lambda _, sharding: sharding, opt_state, param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
+    if impl == "forward":
+      state_shardings = optfuse.ForwardState(state_shardings, param_shardings,
+                                             NamedSharding(mesh, P()))
+    params = jax.device_put(placed, _host_like(param_shardings, placed))
+    state = jax.device_put(state, _host_like(state_shardings, state))
+    rows = NamedSharding(mesh, P("data"))
+    data = [jax.device_put(batch, rows) for batch in data]
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    compiled = jitted.lower(params, state, *data[0]).compile()
+    ins = jax.tree.leaves((params, state))
+    outs = jax.tree.leaves(compiled.output_shardings[1:])
+    moved = [f"leaf {i}: {a.sharding} -> {b}" for i, (a, b) in enumerate(zip(ins, outs))
+             if not a.sharding.is_equivalent_to(b, a.ndim)]
+    losses = []
+    for t in range(steps):
+      value, params, state = jax.block_until_ready(jitted(params, state, *data[t]))
+      losses.append(value)
+    kinds = jax.tree.map(lambda x: x.sharding.memory_kind, params)
+    if impl != "optax":
+      params, state = optfuse.to_optax_state(fx, params, state)
+  report = {"resharded": moved, "all_gathers": worker.all_gathers(compiled.as_text()),
+            "memory_kinds": kinds}
+  arrays = {f"params/{i}": np.asarray(a) for i, a in enumerate(jax.tree.leaves(params))}
+  arrays.update({f"state/{i}": np.asarray(a) for i, a in enumerate(jax.tree.leaves(state))})
+  arrays["losses"] = np.stack([np.asarray(v) for v in losses])
+  return report, arrays
+
+
+def main(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("out", type=Path)
+  parser.add_argument("--steps", type=int, default=20)
+  args = parser.parse_args(argv)
+  if jax.device_count() != worker.DEVICES:
+    raise SystemExit(f"needs {worker.DEVICES} devices, found {jax.devices()}: set XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={worker.DEVICES}.")
+  report, arrays = {}, {}
+  for layout in LAYOUTS:
+    for impl in IMPLS:
+      report[f"{layout}/{impl}"], out = run(layout, impl, args.steps)
+      arrays.update({f"{layout}/{impl}/{k}": v for k, v in out.items()})
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "report.json").write_text(json.dumps(report, indent=1))
+  np.savez(args.out / "results.npz", **arrays)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
