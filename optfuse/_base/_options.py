@@ -68,12 +68,12 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
   if offload is not None and global_ops is not None and mode == "forward":
     # forward fusion runs global transforms without global_ops
     return OffloadError(
-        f'offload={offload!r} runs without global_ops, and mode="forward" needs none: it runs '
+        f'offload="{offload}" runs without global_ops, and mode="forward" needs none: it runs '
         f'global transforms exactly, with the pending gradient streamed too. Drop '
         f'global_ops={global_ops!r}.')
   if offload is not None and global_ops is not None:
     return OffloadError(
-        f'offload={offload!r} runs in modes "backward" and "forward" (and "state" in "off") '
+        f'offload="{offload}" runs in modes "backward" and "forward" (and "state" in "off") '
         f'without global_ops, not in mode={mode!r} with global_ops={global_ops!r}. For global '
         'clipping with offloaded state use mode="forward", which streams the pending gradient '
         'too.')
