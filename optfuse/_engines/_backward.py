@@ -23,6 +23,7 @@ from optfuse._engines._engine import Placed, PlacedStep, microbatched, without_p
 from optfuse._fusion import _accumulate, _fused_step, _loops
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan, PlanCache
+from optfuse._targets._backends import loop_policy
 
 
 class BackwardEngine:
@@ -49,8 +50,8 @@ class BackwardEngine:
             ) -> tuple[tuple, Placed]:
     """One fused step, and the leaves its backward loops updated."""
     loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-    out = _fused_step.value_and_update(self.plans(params, state), loss_fn, has_aux, params,
-                                       state, args, kwargs, loop_plan=loop_plan)
+    out = _fused_step.value_and_update(self.plans(params, state), loop_policy(), loss_fn,
+                                       has_aux, params, state, args, kwargs, loop_plan=loop_plan)
     return out, in_loops(loop_plan)
 
   def unchecked(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
@@ -61,7 +62,7 @@ class BackwardEngine:
     accumulated = _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
 
     def step(params, state, *args, **kwargs):
-      out, (rows, stacked) = accumulated(params, state, *args, **kwargs)
+      out, (rows, stacked) = accumulated(loop_policy(), params, state, *args, **kwargs)
       floats = [i for i, p in enumerate(jax.tree.leaves(params)) if _leaves.is_float(p)]
       return out, microbatched(rows, stacked, floats, microbatches, before=False)
 

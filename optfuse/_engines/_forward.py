@@ -59,13 +59,13 @@ from optfuse._engines._engine import Placed, PlacedStep, microbatched
 from optfuse._engines._forward_state import ForwardState, check_forward_state, no_pending
 from optfuse._fusion import _accumulate, _fused_step, _loops
 from optfuse._fusion._apply import apply_update, stacked_rows, stacked_staged
-from optfuse._fusion._row_buffers import ordered, value_after
+from optfuse._fusion._row_buffers import value_after
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan, PlanCache
-from optfuse._targets._backends import FORWARD_STACKED_ROWS, PENDING_SELECT, for_platform
+from optfuse._targets._backends import LoopPolicy, loop_policy
 
 
-def apply_pending(plan: Plan, params, state: ForwardState,
+def apply_pending(plan: Plan, policy: LoopPolicy, params, state: ForwardState,
                   rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
                   axes: dict | None = None, staged: frozenset[int] = frozenset()
                   ) -> tuple[Any, Any, list, list]:
@@ -80,7 +80,7 @@ def apply_pending(plan: Plan, params, state: ForwardState,
   keeps the old and the new value of every param and state leaf alive together (measured: 36 MB
   of temporaries instead of 0.5 MB for a 4M-param MLP with AdamW), while the conditional updates
   them in place. The GPU compiler copies the leaves the conditional updates whole, and updates
-  them in place under a select (``_backends.PENDING_SELECT``), but for state in host memory.
+  them in place under a select (``policy.pending_select``), but for state in host memory.
 
   The leaves of ``staged`` are updated whole through their staged gradient (the clipped one,
   ``Plan.gradient_stage``), which the conditional returns: ``buffers`` is the flat pending
@@ -96,8 +96,8 @@ def apply_pending(plan: Plan, params, state: ForwardState,
 
   def apply(operands):
     grads, state_leaves, param_leaves = operands
-    new_params, new_state, cuts, buffers = apply_update(plan, grads, state_leaves, param_leaves,
-                                                        rows, deferred, axes, staged)
+    new_params, new_state, cuts, buffers = apply_update(plan, policy, grads, state_leaves,
+                                                        param_leaves, rows, deferred, axes, staged)
     # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
     new_state = [jnp.asarray(new_state[k]).astype(jnp.result_type(state_leaves[k]))
                  for k in own_state]
@@ -112,7 +112,7 @@ def apply_pending(plan: Plan, params, state: ForwardState,
 
   operands = (plan.params_def.flatten_up_to(state.pending_grads), state_leaves, param_leaves)
   traced = isinstance(state.has_pending, jax.core.Tracer)
-  if traced and for_platform(PENDING_SELECT) and not any(map(is_host, state_leaves)):
+  if traced and policy.pending_select and not any(map(is_host, state_leaves)):
     own_new_params, own_new_state, cuts, staged_grads = jax.tree.map(
         lambda new, old: jnp.where(state.has_pending, new, old), apply(operands), keep(operands))
   elif traced:
@@ -133,9 +133,8 @@ def apply_pending(plan: Plan, params, state: ForwardState,
           jax.tree.unflatten(plan.state_def, new_state), cuts, buffers)
 
 
-def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
-                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int,
-                     rows_only: bool = False):
+def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
+                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int):
   """A forward-fused step over ``microbatches`` slices of the batch: ``(value, params, state)``.
 
   The pending update is applied first (stacked leaves row by row in place, or whole in place
@@ -149,13 +148,13 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   k = microbatches
   scaled = _accumulate.scale_loss(loss_fn, has_aux, k)
   batches = _accumulate.split(args, kwargs, k)
-  analysis = _accumulate.analyze_loss(scaled, params, batches)
+  analysis = _accumulate.analyze_loss(scaled, params, batches, policy)
   axes = analysis.loop_plan.stacked
   param_leaves = plan.params_def.flatten_up_to(params)
   staged, rows = stacked_updates(plan, axes, jax.tree.leaves(state.opt_state), param_leaves,
                                   plan.params_def.flatten_up_to(state.pending_grads),
-                                  rows_only)
-  params, opt_state, _, buffers = apply_pending(plan, params, state, rows, axes=axes,
+                                  policy.forward_stacked_rows)
+  params, opt_state, _, buffers = apply_pending(plan, policy, params, state, rows, axes=axes,
                                                 staged=staged)
 
   def body(acc, batch):
@@ -175,14 +174,16 @@ def _microbatch_step(plan: Plan, loss_fn: Callable, has_aux: bool, params,
           microbatched(rows, axes, floats, microbatches, before=True))
 
 
-def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
-                     state: ForwardState, args: tuple, kwargs: dict,
-                     microbatches: int = 1, rows_only: bool = False
+def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
+                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int = 1
                      ) -> tuple[tuple[Any, Any, Any], Placed]:
   """One forward-fused step: ``((value, params, state), placed)``.
 
   Args:
     plan: the global plan of ``tx`` for these params and ``state.opt_state``.
+    policy: the step's per-compiler choices (``_backends.loop_policy``); with
+      ``forward_stacked_rows`` every stacked leaf whose update allows it is updated row by row,
+      never whole.
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     params: the params tree.
@@ -191,8 +192,6 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
     kwargs: keyword arguments of ``loss_fn``.
     microbatches: split the batch (the leading axis of every array argument) into this many
       slices and keep their mean gradient, as ``mode="off"`` does.
-    rows_only: update every stacked leaf whose update allows it row by row, never whole
-      (``_backends.FORWARD_STACKED_ROWS``).
 
   Returns:
     ``((value, params, state), placed)``: the loss (or ``(loss, aux)``) at the updated params,
@@ -200,9 +199,9 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
     the step updated each leaf (``Placed``).
   """
   if microbatches > 1:
-    return _microbatch_step(plan, loss_fn, has_aux, params, state, args, kwargs, microbatches,
-                            rows_only)
-  where = schedule(plan, loss_fn, params, state, args, kwargs, rows_only)
+    return _microbatch_step(plan, policy, loss_fn, has_aux, params, state, args, kwargs,
+                            microbatches)
+  where = schedule(plan, loss_fn, params, state, args, kwargs, policy.forward_stacked_rows)
   # The new gradient is the state of a backward-fused ``capture()`` step: each leaf's gradient
   # (each row of a scanned leaf, inside the backward loop) is written into the buffer of the
   # pending gradient just consumed, which the step donates, instead of a fresh buffer that XLA
@@ -211,14 +210,14 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   grad_leaves = plan.params_def.flatten_up_to(state.pending_grads)
   state_leaves = jax.tree.leaves(state.opt_state)
   in_loop = where.in_loop
-  params, opt_state, cuts, buffers = apply_pending(plan, params, state, where.rows, in_loop,
-                                                   where.axes, where.staged)
-  pre = {i: _pre_update(plan, i, grad_leaves, state_leaves, param_leaves, cuts,
+  params, opt_state, cuts, buffers = apply_pending(plan, policy, params, state, where.rows,
+                                                   in_loop, where.axes, where.staged)
+  pre = {i: _pre_update(plan, policy, i, grad_leaves, state_leaves, param_leaves, cuts,
                         state.has_pending, where.axes) for i in in_loop}
   pending = jax.tree.unflatten(plan.params_def, buffers)
   value, _, grads, updated = _fused_step.value_and_update(
-      where.capture_plan, loss_fn, has_aux, params, pending, args, kwargs, update_params=False,
-      loop_plan=where.loop_plan, pre_updates=pre)
+      where.capture_plan, policy, loss_fn, has_aux, params, pending, args, kwargs,
+      update_params=False, loop_plan=where.loop_plan, pre_updates=pre)
   if in_loop:
     new_params = plan.params_def.flatten_up_to(params)
     new_state = jax.tree.leaves(opt_state)
@@ -233,7 +232,7 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params,
   return (value, params, _next_state(opt_state, grads, state.pending_grads)), placed
 
 
-def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
+def _pre_update(plan: Plan, policy: LoopPolicy, i: int, grads: list, state: list, params: list,
                 cuts: list, has_pending, axes: dict) -> _loops.PreUpdate:
   """Leaf ``i``'s pending update as a ``PreUpdate``: row by row, inside the forward loop.
 
@@ -261,8 +260,9 @@ def _pre_update(plan: Plan, i: int, grads: list, state: list, params: list,
     return [jnp.where(enabled, new.astype(old.dtype), old) for new, old in zip(new_slots, slots)]
 
   slots = tuple(state[k] for k in group.state_outs)
-  # Whole slots are read on the device at once: not for slots in host memory.
-  whole = (slots_fn if plan.slots_whole(i) and ordered() and not any(map(is_host, slots))
+  # Whole slots are read on the device at once: not for slots in host memory; nor unordered,
+  # where ordering the pass after the loop all-gathers a sharded stack (``loop_policy``).
+  whole = (slots_fn if plan.slots_whole(i) and policy.ordered and not any(map(is_host, slots))
            else None)
   return _loops.PreUpdate(grads[i], slots, operands, row_fn, whole)
 
@@ -321,15 +321,16 @@ class ForwardEngine:
       check_params(params)
       check_forward_state(self.tx, params, state)
       plan = self.plans(params, state.opt_state)
-      return value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs,
-                              microbatches, for_platform(FORWARD_STACKED_ROWS))
+      return value_and_update(plan, loop_policy(), loss_fn, has_aux, params, state, args,
+                              kwargs, microbatches)
 
     return step
 
   def flush(self, params, state):
     check_params(params)
     check_forward_state(self.tx, params, state)
-    params, opt_state, _, _ = apply_pending(self.plans(params, state.opt_state), params, state)
+    params, opt_state, _, _ = apply_pending(self.plans(params, state.opt_state), loop_policy(),
+                                            params, state)
     return params, no_pending(params, opt_state)
 
 

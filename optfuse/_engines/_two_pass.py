@@ -35,6 +35,7 @@ from optfuse._fusion._row_buffers import value_after
 from optfuse._fusion._tap import make_tap
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan
+from optfuse._targets._backends import LoopPolicy, loop_policy
 
 
 def _carry(x):
@@ -83,14 +84,15 @@ class _Updater:
     return self.plan.run_stats_row(i, grad_row, self.state, self.params, index, length, axis)
 
 
-def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict, loop_plan: _loops.LoopPlan
+def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
+                     state, args: tuple, kwargs: dict, loop_plan: _loops.LoopPlan
                      ) -> tuple[Any, Any, Any]:
   """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
 
   Args:
     plan: a plan with a global stage split into per-leaf statistics
       (``_make.make_plan(..., global_stage="if_needed")``).
+    policy: the step's per-compiler choices of its loops (``_backends.loop_policy``).
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     params: the params tree.
@@ -144,7 +146,7 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
     updater.stat_inputs = stat_zeros
-    value = loop_plan.call(updater, leaves, slots, args, kwargs)
+    value = loop_plan.call(updater, policy, leaves, slots, args, kwargs)
     return check_loss(value, has_aux)
 
   stat_zeros = {i: tuple(jnp.zeros(a.shape, jnp.result_type(_carry(jnp.zeros((), a.dtype))))
@@ -213,5 +215,6 @@ class TwoPassEngine(_backward.BackwardEngine):
     if plan.is_separable:
       return super().fused(loss_fn, has_aux, params, state, args, kwargs)
     loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-    return (value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, loop_plan),
+    return (value_and_update(plan, loop_policy(), loss_fn, has_aux, params, state, args, kwargs,
+                             loop_plan),
             _backward.in_loops(loop_plan))

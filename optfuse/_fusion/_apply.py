@@ -39,9 +39,10 @@ from optfuse._base._memory_spaces import is_host, like, to_device
 from optfuse._fusion._row_buffers import Stack, row_at, row_loop, value_after
 from optfuse._jaxpr._rows import ROW_COMBINE, NotRowwise
 from optfuse._plan._plan import Plan
+from optfuse._targets._backends import LoopPolicy
 
 
-def apply_update(plan: Plan, grads: list, state: list, params: list,
+def apply_update(plan: Plan, policy: LoopPolicy, grads: list, state: list, params: list,
                  rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
                  axes: dict | None = None, staged: frozenset[int] = frozenset()
                  ) -> tuple[list, list, list, list]:
@@ -49,6 +50,7 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
 
   Args:
     plan: the plan of the optimizer for these params and state.
+    policy: the step's per-compiler choices of its row loops (``_backends.loop_policy``).
     grads: the flat gradient, one leaf per param leaf.
     state: the flat optimizer state.
     params: the flat params.
@@ -76,7 +78,7 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
       staged_grads[i] = like(staged_grads[i], grads[i])
       new_params[i] = optax.apply_updates(p, update)
     elif i in rows:
-      new_params[i], slots[i] = update_rows(plan, i, grads[i], state, params, cuts,
+      new_params[i], slots[i] = update_rows(plan, policy, i, grads[i], state, params, cuts,
                                             (axes or {}).get(i, 0))
     else:
       ordered = previous is not None and not plan.is_separable
@@ -155,8 +157,8 @@ def stacked_staged(plan: Plan, axes: dict, params: list) -> frozenset[int]:
                    and plan.staged_in_place(i))
 
 
-def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
-                axis: int = 0) -> tuple[Any, list]:
+def update_rows(plan: Plan, policy: LoopPolicy, i: int, grad, state: list, params: list,
+                cuts: list, axis: int = 0) -> tuple[Any, list]:
   """Leaf ``i``'s new param and state slots from its gradient ``grad``, one row per iteration,
   written in place.
 
@@ -178,5 +180,5 @@ def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
     return [(optax.apply_updates(param_rows[0], update), new_slots)], carry
 
   stack = Stack(params[i], tuple(state[k] for k in group.state_outs), axis)
-  (stack,), _ = row_loop(length, lambda k: k, [stack], body, ())
+  (stack,), _ = row_loop(policy, length, lambda k: k, [stack], body, ())
   return stack.param, list(stack.slots)

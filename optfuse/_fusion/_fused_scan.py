@@ -46,7 +46,7 @@ from optfuse._fusion._row_buffers import (
 from optfuse._fusion._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._fusion._sites import Site
 from optfuse._jaxpr import _interpreter, _rows
-from optfuse._targets._backends import CARRIED_STACKS, for_platform
+from optfuse._targets._backends import LoopPolicy
 
 
 class LoopUpdater(Protocol):
@@ -122,9 +122,10 @@ class _ForwardLoop(NamedTuple):
   row rewritten in the loop costs a copy of the old row and a write, where a whole elementwise
   pass over the stack runs in place (measured, 8 stacked 256x256 AdamW leaves: 1.18 ms for
   the update row by row, 0.68 ms with the slots whole, 0.55 ms for optax's). On TPU the
-  loop carries the other param stacks too (``_backends.CARRIED_STACKS``).
+  loop carries the other param stacks too (``LoopPolicy.carried_stacks``).
   """
 
+  policy: LoopPolicy
   body: Body
   pre: tuple  # per fused leaf, its ``PreUpdate`` or ``None``
   pre_in: tuple  # per fused leaf, ``(grads, slots, operands)`` of its ``PreUpdate`` or ``None``
@@ -147,13 +148,16 @@ class _ForwardLoop(NamedTuple):
     row_fn, whole = self.pre[j].row_fn, self.pre[j].slots_fn is not None
     stack = Stack(stacks[j], slots if whole else slot_stacks[j], axis)
     grad_row, param_row = row_at(grads, index, axis), row_at(stacks[j], index, axis)
-    p_row, _ = row_fn(grad_row, param_row, read_slots(stack, index, None), operands, index)
+    policy = self.policy
+    p_row, _ = row_fn(grad_row, param_row, read_slots(policy, stack, index, None), operands,
+                      index)
     p_row = p_row.astype(stack.param.dtype)
     if whole:
-      stacks[j] = write_param_row(stack.param, p_row, index, axis)
+      stacks[j] = write_param_row(policy, stack.param, p_row, index, axis)
       return p_row
     stack = write_stack_rereading(
-        stack, p_row, lambda rows: row_fn(grad_row, param_row, rows, operands, index)[1], index)
+        policy, stack, p_row,
+        lambda rows: row_fn(grad_row, param_row, rows, operands, index)[1], index)
     stacks[j], slot_stacks[j] = stack.param, stack.slots
     return p_row
 
@@ -177,10 +181,10 @@ class _ForwardLoop(NamedTuple):
       for j, (u, axis) in enumerate(zip(pre, body.site.axes)):
         if u is not None:
           p_rows.append(self.pre_update(j, stacks, slot_stacks, index))
-        elif carried:  # read from the carry, written back (``_backends.CARRIED_STACKS``)
+        elif carried:  # read from the carry, written back (``LoopPolicy.carried_stacks``)
           p_rows.append(row_at(stacks[j], index, axis))
-          stacks[j] = write_param_row(stacks[j], lax.optimization_barrier(p_rows[-1]), index,
-                                      axis)
+          stacks[j] = write_param_row(self.policy, stacks[j],
+                                      lax.optimization_barrier(p_rows[-1]), index, axis)
         else:
           p_rows.append(row_at(pstacks[j], index, axis))
       out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)
@@ -191,7 +195,7 @@ class _ForwardLoop(NamedTuple):
     whole = [u is not None and u.slots_fn is not None for u in pre]
     slot_stacks = tuple(u[1] if u is not None and not w else ()
                         for u, w in zip(self.pre_in, whole))
-    carried = for_platform(CARRIED_STACKS) and not body.site.in_remat
+    carried = self.policy.carried_stacks and not body.site.in_remat
     stacks = tuple(p if u is not None or carried else None for p, u in zip(pstacks, pre))
     init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks)
     (_, carry_out, stacks, slot_stacks), (ys, saved, carries) = lax.scan(
@@ -222,14 +226,15 @@ def _body(eqn: jcore.JaxprEqn, site: Site, is_param_x: list) -> Body:
       [is_float_aval(v) for v in body_jaxpr.outvars])
 
 
-def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dict, ins: list
-               ) -> list:
+def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, policy: LoopPolicy,
+               slots: dict, ins: list) -> list:
   """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place.
 
   Args:
     eqn: the scan equation.
     site: its fused positions.
     updater: the mode's ``LoopUpdater``.
+    policy: the step's per-compiler choices of its loops.
     slots: leaf -> its optimizer-state slots (stacked like the leaf).
     ins: the equation's inputs; at the fused positions the stored param leaves.
 
@@ -253,12 +258,12 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   @jax.custom_vjp
   def fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts, carry, xs_other):
     del leaf_slots, readonly, stat_in
-    loop = _ForwardLoop(body, pre, pre_in)
+    loop = _ForwardLoop(policy, body, pre, pre_in)
     carry_out, ys, _, _, pre_out, _ = loop.run(pstacks, consts, carry, xs_other, None)
     return (*carry_out, *ys), pre_out
 
   def fwd(pstacks, leaf_slots, readonly, pre_in, stat_in, consts, carry, xs_other):
-    loop = _ForwardLoop(body, pre, pre_in)
+    loop = _ForwardLoop(policy, body, pre, pre_in)
     residuals, invariant = loop.probe(pstacks, list(consts), list(carry), list(xs_other))
     info.append(residuals)
     carry_out, ys, saved, carries, pre_out, pstacks = loop.run(pstacks, consts, carry, xs_other,
@@ -273,7 +278,7 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
       updater.fired.add(leaf)
     cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
     float_consts = split(consts, body.fc)[0]
-    loop = _BackwardLoop(body, updater, info[-1], leaf_slots, readonly, float_consts,
+    loop = _BackwardLoop(policy, body, updater, info[-1], leaf_slots, readonly, float_consts,
                          carries, saved, invariant, xs_other, list(cts[nk:]))
     stats = updater.stage == "stats"
     ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, list(cts[:nk]), stats)
@@ -309,6 +314,7 @@ def ordered_after(stacks: tuple, pre: PreUpdate | None, pre_out) -> tuple:
 class _BackwardLoop(NamedTuple):
   """The backward loop of a fused scan: one iteration per layer, last layer first."""
 
+  policy: LoopPolicy
   body: Body
   updater: LoopUpdater
   residuals: Residuals
@@ -364,7 +370,7 @@ class _BackwardLoop(NamedTuple):
       new_param = (p_rows[j] + update).astype(p_rows[j].dtype) if updater.update_params else None
       new_rows.append((new_param, list(new_slots)))
     ct_consts = [a + b for a, b in zip(ct_consts, g_consts)]
-    ct_xo = [write_row(acc, g, index) for acc, g in zip(ct_xo, g_xo)]
+    ct_xo = [write_row(self.policy, acc, g, index) for acc, g in zip(ct_xo, g_xo)]
     ct_c = merge(g_carry, [None] * (nk - sum(body.fk)), body.fk)
     return new_rows, (ct_c, ct_consts, ct_xo, tuple(accs))
 
@@ -384,7 +390,7 @@ class _BackwardLoop(NamedTuple):
     stacks = [Stack(p, tuple(s), a) for p, s, a in zip(pstacks, self.leaf_slots, axes)]
     first = next((c for c in [*ct_carry, *self.ct_ys] if c is not None and is_float(c)), None)
     stacks, (ct_c, ct_consts, ct_xo, accs) = row_loop(
-        body.length, self.index_of, stacks,
+        self.policy, body.length, self.index_of, stacks,
         lambda k, index, rows, read, carry: self.iteration(index, rows, read, carry, stats),
         carry, first, prefetch=updater.update_params)
     return ct_c, ct_consts, [s.param for s in stacks], [s.slots for s in stacks], ct_xo, accs

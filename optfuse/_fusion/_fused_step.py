@@ -29,6 +29,7 @@ from optfuse._base._memory_spaces import like, to_device
 from optfuse._fusion import _loops
 from optfuse._fusion._tap import make_tap
 from optfuse._plan._plan import Plan
+from optfuse._targets._backends import LoopPolicy
 
 
 class LeafUpdater:
@@ -100,14 +101,15 @@ def _make_tap(updater: LeafUpdater, i: int) -> Callable:
   return make_tap(rule)
 
 
-def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict, update_params: bool = True,
+def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
+                     state, args: tuple, kwargs: dict, update_params: bool = True,
                      loop_plan: _loops.LoopPlan | None = None,
                      pre_updates: dict[int, _loops.PreUpdate] | None = None) -> tuple:
   """One backward-fused step: ``(value, new_params, new_state)``.
 
   Args:
     plan: the update plan for these params/state.
+    policy: the step's per-compiler choices of its loops (``_backends.loop_policy``).
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     params: the params tree.
@@ -141,7 +143,7 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
       leaves[i] = taps[i](diff_params[i], (slots[i], updater.readonly(i)))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
-    value = loop_plan.call(updater, leaves, slots, args, kwargs)
+    value = loop_plan.call(updater, policy, leaves, slots, args, kwargs)
     loss, aux = check_loss(value, has_aux)
     return loss, (aux, dict(updater.pre_results))
 

@@ -43,6 +43,7 @@ from optfuse._fusion._fused_scan import PreUpdate as PreUpdate
 from optfuse._fusion._sites import REWRAPPED_CALLS, Finder, View, entered_calls
 from optfuse._jaxpr import _interpreter, _row_params
 from optfuse._plan._plan import Plan
+from optfuse._targets._backends import LoopPolicy
 
 
 class _Deferred(NamedTuple):
@@ -84,11 +85,13 @@ class LoopPlan(NamedTuple):
   reasons: dict
   in_remat: frozenset = frozenset()
 
-  def call(self, updater, leaves, slots, args, kwargs):
-    """Evaluates the loss on ``leaves`` (the fused leaves untapped) with fused scans."""
+  def call(self, updater, policy: LoopPolicy, leaves, slots, args, kwargs):
+    """Evaluates the loss on ``leaves`` (the fused leaves untapped) with fused scans, whose
+    loops make the choices of ``policy``."""
     arg_leaves = jax.tree.leaves((args, kwargs))
     dyn = [a for a, d in zip(arg_leaves, self.dynamic) if d]
-    outs = _LossInterpreter(self, updater, slots).run(self.jaxpr, self.consts, [*leaves, *dyn])
+    interpreter = _LossInterpreter(self, updater, policy, slots)
+    outs = interpreter.run(self.jaxpr, self.consts, [*leaves, *dyn])
     return jax.tree.unflatten(self.out_def, outs)
 
 
@@ -165,16 +168,16 @@ class _LossInterpreter(_interpreter.Interpreter):
   the path equations of its leaves are deferred into the loop body, and the calls that hold
   either are entered."""
 
-  def __init__(self, loop_plan: LoopPlan, updater, slots):
+  def __init__(self, loop_plan: LoopPlan, updater, policy: LoopPolicy, slots):
     super().__init__()
-    self.loop_plan, self.updater, self.slots = loop_plan, updater, slots
+    self.loop_plan, self.updater, self.policy, self.slots = loop_plan, updater, policy, slots
 
   def scan(self, eqn, ins) -> list:
     site = self.loop_plan.sites.get(id(eqn))
     if site is None:
       return self.default(eqn, ins)
     ins = [x.value if isinstance(x, _Deferred) else x for x in ins]
-    return _fused_scan.fused_scan(eqn, site, self.updater, self.slots, ins)
+    return _fused_scan.fused_scan(eqn, site, self.updater, self.policy, self.slots, ins)
 
   def path(self, eqn, ins) -> list:
     if id(eqn) not in self.loop_plan.deferred:
