@@ -20,7 +20,10 @@ A stacked param may reach the scan through row-preserving operations (a dtype ca
 stored param along its stored axis, and the update runs on the stored row in the stored dtype.
 
 What the loop needs from a mode is the ``LoopUpdater`` protocol (``_fused_step.LeafUpdater``,
-``_two_pass._Updater``); this module imports nothing above it.
+``_two_pass._Updater``), given with the rest of what a step's loops read as one ``LoopInputs``
+value; what the forward loops update comes back as a value (``fused_scan``'s second result),
+and the backward loop records only that it ran, in the step's ``_tap.PullbackRecord``. This
+module imports nothing above it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from optfuse._fusion._row_buffers import (
 )
 from optfuse._fusion._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._fusion._sites import Site
+from optfuse._fusion._tap import PullbackRecord
 from optfuse._jaxpr import _interpreter, _rows
 from optfuse._targets._backends import LoopPolicy
 
@@ -52,27 +56,12 @@ from optfuse._targets._backends import LoopPolicy
 class LoopUpdater(Protocol):
   """What a fused scan asks of the mode that runs it.
 
-  Trace-time invariants: the backward rule of a fused scan runs while ``jax.vjp``'s pullback is
-  traced, once per pullback call; it adds each leaf it updates to ``fired`` then, reads
-  ``stage`` then (two-pass backward calls the pullback twice: ``"stats"``, then ``"update"``),
-  and forward fusion reads ``pre_results`` after the loss has been traced.
-
   Attributes:
     update_params: whether the rows of the params are written (``False``: only the state's, for
       gradient accumulation).
-    stage: ``"update"``, or ``"stats"`` in two-pass backward's first pass.
-    fired: the leaves whose backward rule ran in this pass.
-    pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).
-    pre_results: leaf -> ``(param stack, slot stacks)`` the forward loops updated.
-    stat_inputs: leaf -> zero arrays whose cotangents carry the leaf's statistics (two-pass).
   """
 
   update_params: bool
-  stage: str
-  fired: set
-  pre_updates: dict
-  pre_results: dict
-  stat_inputs: dict
 
   def readonly(self, leaf: int) -> Any:
     """The other inputs the leaf's update reads whole (shared state, other params)."""
@@ -83,7 +72,29 @@ class LoopUpdater(Protocol):
 
   def row_stats(self, leaf: int, grad_row, index, length: int, axis: int) -> list:
     """The leaf's statistics on one gradient row as ``(partial, reduction)`` pairs (called only
-    in the ``"stats"`` stage)."""
+    in two-pass backward's statistics pass)."""
+
+
+class LoopInputs(NamedTuple):
+  """What the fused scans of one step read besides their equations, given by the step.
+
+  Attributes:
+    updater: the mode's ``LoopUpdater``.
+    policy: the step's per-compiler choices of its loops.
+    record: the step's ``PullbackRecord``: the backward loops record in it that they ran, and
+      read which pass of two-pass backward is traced.
+    slots: leaf -> its optimizer-state slots (stacked like the leaf).
+    pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).
+    stat_inputs: leaf -> zero arrays whose cotangents carry the leaf's statistics (two-pass
+      backward's statistics pass).
+  """
+
+  updater: LoopUpdater
+  policy: LoopPolicy
+  record: PullbackRecord
+  slots: dict
+  pre_updates: dict = {}
+  stat_inputs: dict = {}
 
 
 class PreUpdate(NamedTuple):
@@ -226,31 +237,31 @@ def _body(eqn: jcore.JaxprEqn, site: Site, is_param_x: list) -> Body:
       [is_float_aval(v) for v in body_jaxpr.outvars])
 
 
-def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, policy: LoopPolicy,
-               slots: dict, ins: list) -> list:
+def fused_scan(eqn: jcore.JaxprEqn, site: Site, inputs: LoopInputs, ins: list
+               ) -> tuple[list, dict]:
   """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place.
 
   Args:
     eqn: the scan equation.
     site: its fused positions.
-    updater: the mode's ``LoopUpdater``.
-    policy: the step's per-compiler choices of its loops.
-    slots: leaf -> its optimizer-state slots (stacked like the leaf).
+    inputs: what the step's loops read (``LoopInputs``).
     ins: the equation's inputs; at the fused positions the stored param leaves.
 
   Returns:
-    The scan's outputs.
+    ``(outputs, pre_results)``: the scan's outputs, and leaf -> ``(param stack, slot stacks)``
+    for the leaves its forward loop updated (``inputs.pre_updates``).
   """
+  updater, policy, record = inputs.updater, inputs.policy, inputs.record
   parts = _interpreter.scan_parts(eqn)
   nc, nk = parts.num_consts, parts.num_carry
   consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
   is_param_x = [pos in site.positions for pos in range(len(xs_in))]
   pstacks = tuple(xs_in[pos] for pos in site.positions)
   xs_other = [x for x, p in zip(xs_in, is_param_x) if not p]
-  leaf_slots = tuple(slots[leaf] for leaf in site.leaves)
+  leaf_slots = tuple(inputs.slots[leaf] for leaf in site.leaves)
   readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
-  stat_in = tuple(updater.stat_inputs.get(leaf, ()) for leaf in site.leaves)
-  pre = tuple(updater.pre_updates.get(leaf) for leaf in site.leaves)
+  stat_in = tuple(inputs.stat_inputs.get(leaf, ()) for leaf in site.leaves)
+  pre = tuple(inputs.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
   body = _body(eqn, site, is_param_x)
   info: list[Residuals] = []
@@ -275,12 +286,12 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, policy: Lo
   def bwd(res, cts):
     pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant, xs_other = res
     for leaf in site.leaves:
-      updater.fired.add(leaf)
+      record.ran(leaf)
     cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
     float_consts = split(consts, body.fc)[0]
     loop = _BackwardLoop(policy, body, updater, info[-1], leaf_slots, readonly, float_consts,
                          carries, saved, invariant, xs_other, list(cts[nk:]))
-    stats = updater.stage == "stats"
+    stats = record.stats
     ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, list(cts[:nk]), stats)
     ct_consts_full = merge(ct_consts, [None] * (nc - sum(body.fc)), body.fc)
     ct_xo_full = merge(ct_xo, [None] * (len(xs_other) - sum(body.fxo)), body.fxo)
@@ -294,10 +305,8 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, policy: Lo
   fscan.defvjp(fwd, bwd)
   outs, pre_out = fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts_in, carry_in,
                         xs_other)
-  for leaf, updated in zip(site.leaves, pre_out):
-    if updated is not None:
-      updater.pre_results[leaf] = updated
-  return list(outs)
+  return list(outs), {leaf: updated for leaf, updated in zip(site.leaves, pre_out)
+                      if updated is not None}
 
 
 def ordered_after(stacks: tuple, pre: PreUpdate | None, pre_out) -> tuple:
