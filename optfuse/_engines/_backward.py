@@ -80,15 +80,19 @@ class BackwardEngine:
     return step
 
   def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
-    if self.options.guard:
-      return _checks.checked_step(self.tx, self.guarded(loss_fn, has_aux, microbatches))
-    return _checks.checked_step(self.tx, self.unchecked(loss_fn, has_aux, microbatches))
+    def refusing(refused: Refused) -> PlacedStep:
+      return self.unchecked(loss_fn, has_aux, microbatches, refused)
 
-  def guarded(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
-    """The unchecked step with the fused leaves the memory guard taps (``_guard``) refused its
-    loops, decided once per step (``loss_fn``, its ``has_aux`` and microbatches) and input
-    shapes, for every step the engine builds: a step traced again (``describe``'s trace)
-    compiles nothing more."""
+    inner = (self.guarded(refusing, loss_fn, (has_aux, microbatches)) if self.options.guard
+             else refusing(()))
+    return _checks.checked_step(self.tx, inner)
+
+  def guarded(self, refusing: Callable[[Refused], PlacedStep], loss_fn: Callable, key: tuple
+              ) -> PlacedStep:
+    """The step ``refusing(refused)`` with the fused leaves the memory guard taps (``_guard``)
+    refused its loops, decided once per step (``loss_fn``, and ``key``: its ``has_aux`` and
+    microbatches) and input shapes, for every step the engine builds: a step traced again
+    (``describe``'s trace) compiles nothing more."""
 
     own: dict = {}  # for a loss that takes no weak reference: this step's decisions alone
 
@@ -97,27 +101,23 @@ class BackwardEngine:
         decisions = self.decisions.setdefault(loss_fn, {})
       except TypeError:
         decisions = own
-      shapes = (has_aux, microbatches, _guard.shapes_key(params, state, args, kwargs))
+      shapes = (*key, _guard.shapes_key(params, state, args, kwargs))
       if shapes not in decisions:
         loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-        decisions[shapes] = self.decide(loss_fn, has_aux, microbatches, loop_plan, params,
-                                        state, args, kwargs)
-      inner = self.unchecked(loss_fn, has_aux, microbatches,
-                             tuple(sorted(decisions[shapes].items())))
-      return inner(params, state, *args, **kwargs)
+        decisions[shapes] = self.decide(refusing, loop_plan, params, state, args, kwargs)
+      return refusing(tuple(sorted(decisions[shapes].items())))(params, state, *args, **kwargs)
 
     return step
 
-  def decide(self, loss_fn: Callable, has_aux: bool, microbatches: int,
-             loop_plan: _loops.LoopPlan, params, state, args: tuple, kwargs: dict
-             ) -> dict[int, str]:
-    """The fused leaves of ``loop_plan`` the memory guard taps: ``_guard.decide`` on the
-    unchecked step's peaks."""
+  def decide(self, refusing: Callable[[Refused], PlacedStep], loop_plan: _loops.LoopPlan,
+             params, state, args: tuple, kwargs: dict) -> dict[int, str]:
+    """The fused leaves of ``loop_plan`` the memory guard taps: ``_guard.decide`` on the peaks
+    of ``refusing(refused)``, the step with the leaves of ``refused`` tapped."""
     sites = [site.leaves for site in loop_plan.sites.values()]
 
     def peak_of(tapped: frozenset) -> int:
       refused = tuple((i, "tapped by the memory guard's probe") for i in sorted(tapped))
-      run = without_placements(self.unchecked(loss_fn, has_aux, microbatches, refused))
+      run = without_placements(refusing(refused))
       return _guard.peak(run, params, state, args, kwargs, self.tx.init)
 
     return _guard.decide(sites, peak_of)

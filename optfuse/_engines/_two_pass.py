@@ -63,12 +63,9 @@ class _Updater:
     self.record = record
     self.update_params = True
 
-  def readonly(self, i: int) -> None:
-    del i  # the rows read the whole state and params from here, not from the loop's inputs
-
   def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int,
                  axis: int = 0):
-    del readonly
+    del readonly  # none given: the rows read the whole state and params from here
     return self.plan.run_group_row(i, self.state, self.params, self.record.cuts,
                                    (grad_row, param_row, slot_rows), index, length, axis)
 

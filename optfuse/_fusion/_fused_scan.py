@@ -19,11 +19,11 @@ A stacked param may reach the scan through row-preserving operations (a dtype ca
 ``moveaxis``: its ``path``): they move into the loop body, so the body reads row ``l`` of the
 stored param along its stored axis, and the update runs on the stored row in the stored dtype.
 
-What the loop needs from a mode is the ``LoopUpdater`` protocol (``_fused_step.LeafUpdater``,
-``_two_pass._Updater``), given with the rest of what a step's loops read as one ``LoopInputs``
-value; what the forward loops update comes back as a value (``fused_scan``'s second result),
-and the backward loop records only that it ran, in the step's ``_tap.PullbackRecord``. This
-module imports nothing above it.
+What the loop needs from a mode is the ``RowUpdater`` protocol (``_fused_step.LeafUpdater``),
+or with two-pass backward's statistics the ``StatsUpdater`` (``_two_pass._Updater``), given
+with the rest of what a step's loops read as one ``LoopInputs`` value; what the forward loops
+update comes back as a value (``fused_scan``'s second result), and the backward loop records
+only that it ran, in the step's ``_tap.PullbackRecord``. This module imports nothing above it.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ from optfuse._jaxpr import _interpreter, _rows
 from optfuse._targets._backends import LoopPolicy
 
 
-class LoopUpdater(Protocol):
-  """What a fused scan asks of the mode that runs it.
+class RowUpdater(Protocol):
+  """What a fused scan's backward loop asks of a mode that updates rows: the one-pass step of
+  backward fusion, forward fusion's capture and accumulation (``_fused_step.LeafUpdater``).
 
   Attributes:
     update_params: whether the rows of the params are written (``False``: only the state's, for
@@ -63,36 +64,42 @@ class LoopUpdater(Protocol):
 
   update_params: bool
 
-  def readonly(self, leaf: int) -> Any:
-    """The other inputs the leaf's update reads whole (shared state, other params)."""
-
   def row_update(self, leaf: int, grad_row, param_row, slot_rows, readonly, index, length: int,
                  axis: int) -> tuple[Any, Any]:
-    """Row ``index`` (along the stored ``axis``) of the leaf's ``(update, new_slots)``."""
+    """Row ``index`` (along the stored ``axis``) of the leaf's ``(update, new_slots)``;
+    ``readonly`` is the leaf's entry of ``LoopInputs.readonly`` (``None`` without one)."""
+
+
+class StatsUpdater(RowUpdater, Protocol):
+  """What a fused scan's backward loop asks of two-pass backward (``_two_pass._Updater``): in
+  its statistics pass, each row's statistics; in its update pass, each row's update."""
 
   def row_stats(self, leaf: int, grad_row, index, length: int, axis: int) -> list:
-    """The leaf's statistics on one gradient row as ``(partial, reduction)`` pairs (called only
-    in two-pass backward's statistics pass)."""
+    """The leaf's statistics on one gradient row as ``(partial, reduction)`` pairs."""
 
 
 class LoopInputs(NamedTuple):
   """What the fused scans of one step read besides their equations, given by the step.
 
   Attributes:
-    updater: the mode's ``LoopUpdater``.
+    updater: the mode's ``RowUpdater``; a ``StatsUpdater`` where ``record`` starts with a
+      statistics pass (two-pass backward).
     policy: the step's per-compiler choices of its loops.
     record: the step's ``PullbackRecord``: the backward loops record in it that they ran, and
       read which pass of two-pass backward is traced.
     slots: leaf -> its optimizer-state slots (stacked like the leaf).
+    readonly: leaf -> the other inputs its row update reads whole (shared state, other params),
+      passed through the fused scan's inputs.
     pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).
     stat_inputs: leaf -> zero arrays whose cotangents carry the leaf's statistics (two-pass
       backward's statistics pass).
   """
 
-  updater: LoopUpdater
+  updater: RowUpdater
   policy: LoopPolicy
   record: PullbackRecord
   slots: dict
+  readonly: dict = {}
   pre_updates: dict = {}
   stat_inputs: dict = {}
 
@@ -259,7 +266,7 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, inputs: LoopInputs, ins: list
   pstacks = tuple(xs_in[pos] for pos in site.positions)
   xs_other = [x for x, p in zip(xs_in, is_param_x) if not p]
   leaf_slots = tuple(inputs.slots[leaf] for leaf in site.leaves)
-  readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
+  readonly = tuple(inputs.readonly.get(leaf) for leaf in site.leaves)
   stat_in = tuple(inputs.stat_inputs.get(leaf, ()) for leaf in site.leaves)
   pre = tuple(inputs.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
@@ -325,7 +332,7 @@ class _BackwardLoop(NamedTuple):
 
   policy: LoopPolicy
   body: Body
-  updater: LoopUpdater
+  updater: RowUpdater  # a ``StatsUpdater`` in two-pass backward
   residuals: Residuals
   leaf_slots: tuple
   readonly: tuple
@@ -405,7 +412,7 @@ class _BackwardLoop(NamedTuple):
     return ct_c, ct_consts, [s.param for s in stacks], [s.slots for s in stacks], ct_xo, accs
 
 
-def _stat_identities(updater, leaf: int, stack, length: int, axis: int) -> tuple:
+def _stat_identities(updater: StatsUpdater, leaf: int, stack, length: int, axis: int) -> tuple:
   """The value of each statistic of ``leaf`` over no rows: where the backward loop starts
   combining the rows' partial statistics."""
   found: list = []

@@ -53,9 +53,6 @@ class LeafUpdater:
     return self.plan.run_group_row(i, readonly[0], readonly[1], (),
                                    (grad_row, param_row, slot_rows), index, length, axis)
 
-  def row_stats(self, i: int, grad_row, index, length: int, axis: int = 0):
-    raise NotImplementedError("a one-pass backward step computes no statistics")
-
   def slots(self, i: int) -> tuple:
     return tuple(self.state[k] for k in self.plan.groups[i].state_outs)
 
@@ -99,8 +96,8 @@ def _make_tap(updater: LeafUpdater, record: PullbackRecord, i: int) -> Callable:
 
 
 def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
-                     state, args: tuple, kwargs: dict, update_params: bool = True,
-                     loop_plan: _loops.LoopPlan | None = None,
+                     state, args: tuple, kwargs: dict, loop_plan: _loops.LoopPlan,
+                     update_params: bool = True,
                      pre_updates: dict[int, _loops.PreUpdate] | None = None) -> tuple:
   """One backward-fused step: ``(value, new_params, new_state)``.
 
@@ -113,9 +110,9 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
     state: the optax state.
     args: positional arguments of ``loss_fn`` after params.
     kwargs: keyword arguments of ``loss_fn``.
+    loop_plan: ``_loops.analyze``'s plan for this loss and these params.
     update_params: ``False`` leaves the params as they are and updates only the state (used to
       accumulate gradients into a state that holds their sum).
-    loop_plan: ``_loops.analyze``'s plan for this loss and these params, if already made.
     pre_updates: leaf index -> ``_loops.PreUpdate`` for leaves of fused loops whose rows are
       updated in the forward iteration that reads them (forward fusion).
 
@@ -129,8 +126,6 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), update_params)
   record = PullbackRecord()
   diff = [i for i, p in enumerate(param_leaves) if is_float(p)]
-  if loop_plan is None:
-    loop_plan = _loops.analyze(loss_fn, plan, params, list(state_leaves), args, kwargs, diff)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
   taps = {i: _make_tap(updater, record, i) for i in tapped_leaves}
 
@@ -140,7 +135,8 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
       leaves[i] = taps[i](diff_params[i], (slots[i], updater.readonly(i)))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
-    inputs = _loops.LoopInputs(updater, policy, record, slots, dict(pre_updates or {}))
+    readonly = {i: updater.readonly(i) for i in loop_plan.fused_leaves}
+    inputs = _loops.LoopInputs(updater, policy, record, slots, readonly, dict(pre_updates or {}))
     value, pre_results = loop_plan.call(inputs, leaves, args, kwargs)
     loss, aux = check_loss(value, has_aux)
     return loss, (aux, pre_results)
