@@ -80,7 +80,7 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
 
   Args:
     plan: a plan with a global stage split into per-leaf statistics
-      (``_make.make_plan(..., global_stage="if_needed")``).
+      (``_make.make_plan(..., global_handling="if_needed")``).
     policy: the step's per-compiler choices of its loops (``_backends.loop_policy``).
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -197,7 +197,7 @@ class TwoPassEngine(_backward.BackwardEngine):
   two_pass = True
 
   def make_plan(self, params, state) -> Plan:
-    return _make.make_plan(self.tx, params, state, global_stage="if_needed")
+    return _make.make_plan(self.tx, params, state, global_handling="if_needed")
 
   def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict,
             refused: _backward.Refused = ()) -> tuple[tuple, Placed]:
