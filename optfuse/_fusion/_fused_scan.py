@@ -271,6 +271,9 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, inputs: LoopInputs, ins: list
   pre = tuple(inputs.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
   body = _body(eqn, site, is_param_x)
+  # Where the residuals of the body's VJP come from (their sources and tree structure), found by
+  # the forward rule and read by the backward rule, which runs after it: static structure, not an
+  # array, so it cannot travel as a residual and crosses the custom_vjp boundary here.
   info: list[Residuals] = []
 
   @jax.custom_vjp
