@@ -427,9 +427,9 @@ def test_forward_fusion_of_the_accelerators_placement_matches_optax(monkeypatch,
   # the GPU compiler copies params and state around the conditional of a whole update), and on
   # GPU the pending update is chosen by a select (``PENDING_SELECT``); this machine runs the
   # CPU's entries, so here it runs theirs.
-  from optfuse._engines import _forward
-  monkeypatch.setattr(_forward, "FORWARD_STACKED_ROWS", {"cpu": True, "tpu": True})
-  monkeypatch.setattr(_forward, "PENDING_SELECT", {"cpu": True})
+  from optfuse._targets import _backends
+  monkeypatch.setitem(_backends.FORWARD_STACKED_ROWS, "cpu", True)
+  monkeypatch.setitem(_backends.PENDING_SELECT, "cpu", True)
   tx = SCANNED[name]()
   params, batches = models.stacked_params(), models.tied_lm_batches()
   fx = optfuse.fuse(tx, mode="forward")
@@ -449,6 +449,6 @@ def test_forward_fusion_of_the_accelerators_placement_matches_optax(monkeypatch,
     test_forward_fusion_with_microbatches_matches_optax_accumulation_over_50_steps,
 ], ids=["clip_adamw", "apply_if_finite", "microbatches"])
 def test_the_pending_update_chosen_by_a_select_matches_optax(monkeypatch, check):
-  from optfuse._engines import _forward
-  monkeypatch.setattr(_forward, "PENDING_SELECT", {"cpu": True})
+  from optfuse._targets import _backends
+  monkeypatch.setitem(_backends.PENDING_SELECT, "cpu", True)
   check()

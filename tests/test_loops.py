@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse._fusion import _fused_scan, _row_buffers
+from optfuse._targets import _backends
 
 L, D, B = 5, 8, 4
 
@@ -159,8 +159,8 @@ def test_loop_fused_step_matches_optax_adamw_over_30_steps(name):
 @pytest.mark.parametrize("name", ["scan", "scan_remat", "reverse_scan", "nested_scans"])
 @pytest.mark.parametrize("mode", ["backward", "forward"])
 def test_the_tpu_row_loops_match_optax(name, mode, monkeypatch):
-  monkeypatch.setattr(_fused_scan, "CARRIED_STACKS", {"cpu": True})
-  monkeypatch.setattr(_row_buffers, "STORED_LAYOUTS", {"cpu": True})
+  monkeypatch.setitem(_backends.CARRIED_STACKS, "cpu", True)
+  monkeypatch.setitem(_backends.STORED_LAYOUTS, "cpu", True)
   params = None
   if name == "nested_scans":
     params = _init(jax.random.PRNGKey(0), layers=8)

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 import optfuse
-from optfuse._fusion import _fused_scan, _row_buffers
+from optfuse._targets import _backends
 from optfuse.bench import _forms, _models
 from tests import criteria, models
 
@@ -229,8 +229,8 @@ def test_form_trains_like_optax_in_forward_mode_without_clipping(form):
                                   pytest.param("nnx_axis1", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["backward", "forward"])
 def test_form_trains_like_optax_with_the_tpu_row_loops(form, mode, monkeypatch):
-  monkeypatch.setattr(_fused_scan, "CARRIED_STACKS", {"cpu": True})
-  monkeypatch.setattr(_row_buffers, "STORED_LAYOUTS", {"cpu": True})
+  monkeypatch.setitem(_backends.CARRIED_STACKS, "cpu", True)
+  monkeypatch.setitem(_backends.STORED_LAYOUTS, "cpu", True)
   _assert_trains_like_optax(form, mode)
 
 

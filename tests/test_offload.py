@@ -343,8 +343,8 @@ def test_the_gpu_loop_reading_slot_rows_after_the_gradient_trains_like_optax(mon
   # The compilers choose the streamed loop per platform (``_backends.STREAMED_PREFETCH``): the
   # TPU's prefetches the slot rows, the GPU's reads them once the gradient row exists. This
   # machine runs the CPU's; here it runs the GPU's.
-  from optfuse._fusion import _row_buffers
-  monkeypatch.setattr(_row_buffers, "STREAMED_PREFETCH", {"cpu": False, "tpu": True})
+  from optfuse._targets import _backends
+  monkeypatch.setitem(_backends.STREAMED_PREFETCH, "cpu", False)
   params, batches, loss = _scanned()
   tx = optax.adamw(1e-2, weight_decay=0.05)
   fx = optfuse.fuse(tx, offload="state")

@@ -91,37 +91,38 @@ def clip(tx):
 @pytest.mark.parametrize("tx", [clip(optax.adamw(1e-2, weight_decay=1e-2)), clip(optax.sgd(1e-2)),
                                 clip(optax.sgd(1e-2, momentum=0.9))],
                          ids=["clip_adamw", "clip_sgd", "clip_sgdm"])
-def test_clipped_updates_run_whole_in_place_from_their_staged_clipped_gradient(tx):
-  # The clipping factor is read only through the clipped gradient: staged into the gradient's
-  # buffer, the rest of the update is AdamW's (SGD's), in place whole.
+def test_clipped_updates_run_whole_in_place_from_their_cut_gradient(tx):
+  # The clipping factor is read only through the clipped (cut) gradient: written first into the
+  # gradient's buffer, the rest of the update is AdamW's (SGD's), in place whole.
   plan = plan_of(tx, stacked_params())
   for i in range(plan.num_params):
-    assert not plan.in_place_whole(i) and plan.staged_in_place(i)
-    (_, head_reads), tail = plan.gradient_stage(i)
+    assert not plan.in_place_whole(i) and plan.in_place_from_cut_gradient(i)
+    (_, head_reads), tail = plan.cut_gradient_split(i)
     assert not any(tail.reads[len(plan.consts) + 2 * plan.num_params + plan.num_state:])
     assert any(head_reads[len(plan.consts) + 2 * plan.num_params + plan.num_state:])
 
 
-@pytest.mark.parametrize("tx,staged", [
-    (clip(optax.lion(1e-3)), True),  # staged, but Lion's rest is not in place
+@pytest.mark.parametrize("tx,split", [
+    (clip(optax.lion(1e-3)), True),  # split, but Lion's rest is not in place
     (optax.apply_if_finite(clip(optax.adam(1e-2)), 3), False),  # the flag gates the state too
     (optax.adamw(1e-2), False),  # no cut at all
 ], ids=["clip_lion", "apply_if_finite", "adamw"])
-def test_updates_that_read_a_cut_elsewhere_or_stay_out_of_place_are_not_staged_in_place(
-    tx, staged):
+def test_updates_that_read_a_cut_elsewhere_or_stay_out_of_place_are_not_in_place_from_it(tx,
+                                                                                      split):
   plan = plan_of(tx, stacked_params())
   for i in range(plan.num_params):
-    assert (plan.gradient_stage(i) is not None) == staged
-    assert not plan.staged_in_place(i)
+    assert (plan.cut_gradient_split(i) is not None) == split
+    assert not plan.in_place_from_cut_gradient(i)
 
 
 @pytest.mark.parametrize("tx", [clip(optax.adamw(1e-2, weight_decay=1e-2)),
                                 clip(optax.lion(1e-3))], ids=["clip_adamw", "clip_lion"])
-def test_run_staged_gives_the_update_of_the_whole_group(tx):
+def test_run_from_cut_gradient_gives_the_update_of_the_whole_group(tx):
   plan, flat_grads, flat_state, flat_params, cuts = flat_inputs(tx)
   assert plan.cuts  # the global norm is a cut: several leaves
   for i in range(plan.num_params):
     expected = plan.run_group(i, flat_grads[i], flat_state, flat_params, cuts)
-    staged, update, slots = plan.run_staged(i, flat_grads[i], flat_state, flat_params, cuts)
+    cut_grad, update, slots = plan.run_from_cut_gradient(i, flat_grads[i], flat_state,
+                                                         flat_params, cuts)
     chex.assert_trees_all_close((update, slots), expected, rtol=1e-6, atol=1e-7)
-    assert staged.shape == flat_grads[i].shape and staged.dtype == flat_grads[i].dtype
+    assert cut_grad.shape == flat_grads[i].shape and cut_grad.dtype == flat_grads[i].dtype

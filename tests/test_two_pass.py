@@ -91,14 +91,14 @@ def test_backward_mode_without_the_opt_in_refuses_global_transforms():
 def test_two_pass_with_a_separable_transform_is_the_one_pass_backward_step():
   tx = optax.adamw(1e-2)
   params = models.tied_lm_params()
-  plan = _make.make_plan(tx, params, tx.init(params), global_stage="if_needed")
+  plan = _make.make_plan(tx, params, tx.init(params), global_handling="if_needed")
   assert plan.is_separable and plan.global_jaxpr is None and plan.stats is None
 
 
 def test_two_pass_plan_statistics_are_scalars_for_clipping():
   tx = GLOBAL["clip_by_global_norm+adamw"]()
   params = models.tied_lm_params()
-  plan = _make.make_plan(tx, params, tx.init(params), global_stage="if_needed")
+  plan = _make.make_plan(tx, params, tx.init(params), global_handling="if_needed")
   # One squared norm per leaf crosses the backward pass, never a gradient-sized array.
   assert all([s.shape for s in leaf_stats] == [()] for leaf_stats in plan.stats.stats)
 

@@ -32,9 +32,10 @@ from optfuse._engines import _backward
 from optfuse._engines._engine import Placed
 from optfuse._fusion import _loops
 from optfuse._fusion._row_buffers import value_after
-from optfuse._fusion._tap import make_tap
+from optfuse._fusion._tap import PullbackRecord, make_tap
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan
+from optfuse._targets._backends import LoopPolicy, loop_policy
 
 
 def _carry(x):
@@ -49,48 +50,38 @@ def _uncarry(x, aval: jax.ShapeDtypeStruct):
 class _Updater:
   """What the backward loops of fused scans (``_loops._fused_scan``) ask of a two-pass step.
 
-  ``stage`` is ``"stats"`` during the first backward pass (each row of a scanned leaf's gradient
-  is reduced into the leaf's statistics) and ``"update"`` during the second (each row is updated
-  with ``cuts``, the combined statistics).
+  In the first backward pass each row of a scanned leaf's gradient is reduced into the leaf's
+  statistics (``row_stats``); in the second each row is updated (``row_update``) with the cuts
+  the statistics combine into, which the step's ``record`` holds by then.
   """
 
-  def __init__(self, plan: Plan, state_leaves: list, param_leaves: list):
+  def __init__(self, plan: Plan, state_leaves: list, param_leaves: list,
+               record: PullbackRecord):
     self.plan = plan
     self.state = state_leaves
     self.params = param_leaves
+    self.record = record
     self.update_params = True
-    self.pre_updates: dict = {}
-    self.pre_results: dict = {}
-    self.stat_inputs: dict = {}
-    self.stage = "stats"
-    self.cuts: list = []
-    self.fired_in: dict[str, set[int]] = {"stats": set(), "update": set()}
-
-  @property
-  def fired(self) -> set[int]:
-    return self.fired_in[self.stage]
-
-  def readonly(self, i: int) -> None:
-    del i  # the rows read the whole state and params from here, not from the loop's inputs
 
   def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int,
                  axis: int = 0):
-    del readonly
-    return self.plan.run_group_row(i, self.state, self.params, self.cuts,
+    del readonly  # none given: the rows read the whole state and params from here
+    return self.plan.run_group_row(i, self.state, self.params, self.record.cuts,
                                    (grad_row, param_row, slot_rows), index, length, axis)
 
   def row_stats(self, i: int, grad_row, index, length: int, axis: int = 0):
     return self.plan.run_stats_row(i, grad_row, self.state, self.params, index, length, axis)
 
 
-def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict, loop_plan: _loops.LoopPlan
+def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
+                     state, args: tuple, kwargs: dict, loop_plan: _loops.LoopPlan
                      ) -> tuple[Any, Any, Any]:
   """One two-pass backward step: ``(value, params, state)``, exactly optax's update.
 
   Args:
     plan: a plan with a global stage split into per-leaf statistics
-      (``_make.make_plan(..., global_stage="if_needed")``).
+      (``_make.make_plan(..., global_handling="if_needed")``).
+    policy: the step's per-compiler choices of its loops (``_backends.loop_policy``).
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     params: the params tree.
@@ -107,7 +98,8 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
   diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
-  updater = _Updater(plan, state_leaves, param_leaves)
+  record = PullbackRecord(stats=plan.stats is not None)
+  updater = _Updater(plan, state_leaves, param_leaves, record)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
 
   def slots_of(i):
@@ -123,13 +115,13 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
   def tap_rule(i):
     def rule(grad, param, operands):
       slots, _ = operands
-      updater.fired.add(i)
-      if updater.stage == "stats":
+      record.ran(i)
+      if record.stats:
         params_in = list(param_leaves)
         params_in[i] = param
         stats = plan.run_stats(i, grad, state_leaves, params_in)
         return None, (None, tuple(_carry(s) for s in stats))
-      new_param, new_slots = apply(i, grad, param, slots, updater.cuts)
+      new_param, new_slots = apply(i, grad, param, slots, record.cuts)
       return new_param, (new_slots, None)
 
     return rule
@@ -143,8 +135,8 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
       leaves[i] = taps[i](diff_params[i], (slots[i], stat_zeros[i]))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
-    updater.stat_inputs = stat_zeros
-    value = loop_plan.call(updater, leaves, slots, args, kwargs)
+    inputs = _loops.LoopInputs(updater, policy, record, slots, stat_inputs=stat_zeros)
+    value, _ = loop_plan.call(inputs, leaves, args, kwargs)
     return check_loss(value, has_aux)
 
   stat_zeros = {i: tuple(jnp.zeros(a.shape, jnp.result_type(_carry(jnp.zeros((), a.dtype))))
@@ -158,7 +150,7 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
     _, _, stat_cts = pullback(seed)
     stats = []
     for i in range(plan.num_params):
-      if i in updater.fired_in["stats"]:
+      if i in record.fired[0]:
         stats.append([_uncarry(x, a) for x, a in zip(stat_cts[i], stat_avals[i])])
       else:
         stats.append(plan.run_stats(i, unfired_grad(i), state_leaves, param_leaves))
@@ -167,9 +159,9 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
     # cotangents depend on nothing the first computes) and keeps each weight gradient of the
     # second pass alive until the global statistics are known: optax's memory.
     seed = value_after(seed, cuts)
-  updater.stage, updater.cuts = "update", cuts
+  record.start_update_pass(cuts)
   new_params, new_slots, _ = pullback(seed)
-  fired = updater.fired_in["update"]
+  fired = record.fired[-1]
 
   params_out, state_out = _finish(plan, new_params, new_slots, fired, param_leaves,
                                   state_leaves, unfired_grad,
@@ -205,13 +197,14 @@ class TwoPassEngine(_backward.BackwardEngine):
   two_pass = True
 
   def make_plan(self, params, state) -> Plan:
-    return _make.make_plan(self.tx, params, state, global_stage="if_needed")
+    return _make.make_plan(self.tx, params, state, global_handling="if_needed")
 
-  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict
-            ) -> tuple[tuple, Placed]:
-    plan = self.plans(params, state)
+  def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict,
+            refused: _backward.Refused = ()) -> tuple[tuple, Placed]:
+    plan = self.plan(params, state, refused)
     if plan.is_separable:
-      return super().fused(loss_fn, has_aux, params, state, args, kwargs)
-    loop_plan = self.analyze(loss_fn, params, state, args, kwargs)
-    return (value_and_update(plan, loss_fn, has_aux, params, state, args, kwargs, loop_plan),
+      return super().fused(loss_fn, has_aux, params, state, args, kwargs, refused)
+    loop_plan = self.analyze(loss_fn, params, state, args, kwargs, refused)
+    return (value_and_update(plan, loop_policy(), loss_fn, has_aux, params, state, args, kwargs,
+                             loop_plan),
             _backward.in_loops(loop_plan))

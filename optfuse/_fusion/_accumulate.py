@@ -30,6 +30,7 @@ from optfuse._fusion import _fused_step, _loops
 from optfuse._fusion._apply import apply_update, stacked_rows
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan
+from optfuse._targets._backends import LoopPolicy
 
 
 def split(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
@@ -118,11 +119,12 @@ def scale_loss(loss_fn: Callable, has_aux: bool, microbatches) -> Callable:
 
 
 class Accumulation(NamedTuple):
-  """What every microbatch of a step reuses: the accumulator's plan and the loss's loop plan
-  (``analyze_loss``)."""
+  """What every microbatch of a step reuses: the accumulator's plan, the loss's loop plan
+  (``analyze_loss``) and the step's per-compiler choices of its loops."""
 
   plan: Plan
   loop_plan: _loops.LoopPlan
+  policy: LoopPolicy
 
 
 def accumulate(loss_fn: Callable, has_aux: bool, params, acc, args: tuple, kwargs: dict,
@@ -132,21 +134,21 @@ def accumulate(loss_fn: Callable, has_aux: bool, params, acc, args: tuple, kwarg
   A backward-fused step of ``accumulator()``: each leaf's rule (each row's, inside scanned
   layers) adds its gradient to its slice of ``acc``, in place, and params are left as they are.
   """
-  value, _, acc = _fused_step.value_and_update(analysis.plan, loss_fn, has_aux, params, acc,
-                                               args, kwargs, update_params=False,
+  value, _, acc = _fused_step.value_and_update(analysis.plan, analysis.policy, loss_fn, has_aux,
+                                               params, acc, args, kwargs, update_params=False,
                                                loop_plan=analysis.loop_plan)
   return value, acc
 
 
-def analyze_loss(loss_fn: Callable, params, batches) -> Accumulation:
+def analyze_loss(loss_fn: Callable, params, batches, policy: LoopPolicy) -> Accumulation:
   """The plans of accumulating ``loss_fn``'s gradient on the microbatches of ``batches``, from
-  the first (the loss is traced here, once for the whole step)."""
+  the first (the loss is traced here, once for the whole step), with the loops' ``policy``."""
   zeros = jax.tree.map(jnp.zeros_like, params)
   plan = _make.make_plan(accumulator(), params, zeros)
   diff = [i for i, p in enumerate(plan.params_def.flatten_up_to(params)) if is_float(p)]
   args, kwargs = _index(batches, 0)
   return Accumulation(plan, _loops.analyze(loss_fn, plan, params, jax.tree.leaves(zeros), args,
-                                           kwargs, diff))
+                                           kwargs, diff), policy)
 
 
 def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
@@ -161,17 +163,18 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
       gradient (``_apply.apply_update``; with a global stage, stacked leaves row by row).
 
   Returns:
-    ``step(params, state, *args, **kwargs) -> ((value, params, state), (rows, stacked))``
-    where value is the mean loss over the microbatches (with aux stacked along a leading axis
-    when ``has_aux``), ``rows`` the leaves whose update ran row by row in place (the others ran
+    ``step(policy, params, state, *args, **kwargs) -> ((value, params, state), (rows,
+    stacked))`` (``policy``: the step's per-compiler choices of its loops), where value is the
+    mean loss over the microbatches (with aux stacked along a leading axis when ``has_aux``),
+    ``rows`` the leaves whose update ran row by row in place (the others ran
     whole), and ``stacked`` the leaves a scan reads as its stacked input, all after the loop.
   """
   k = microbatches
   scaled = scale_loss(loss_fn, has_aux, k)
 
-  def step(params, state, *args, **kwargs):
+  def step(policy, params, state, *args, **kwargs):
     batches = split(args, kwargs, k)
-    analysis = analyze_loss(scaled, params, batches)
+    analysis = analyze_loss(scaled, params, batches, policy)
 
     def body(acc, batch):
       value, acc = accumulate(scaled, has_aux, params, acc, *batch, analysis)
@@ -188,7 +191,7 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
     # a row loop would only be slower.
     rows = (frozenset() if plan.is_separable
             else stacked_rows(plan, axes, state_leaves, param_leaves))
-    new_params, new_state, _, _ = apply_update(plan, plan.params_def.flatten_up_to(mean),
+    new_params, new_state, _, _ = apply_update(plan, policy, plan.params_def.flatten_up_to(mean),
                                             state_leaves, param_leaves, rows, axes=axes)
     return ((sum_value(values, has_aux), jax.tree.unflatten(plan.params_def, new_params),
              jax.tree.unflatten(plan.state_def, new_state)), (rows, frozenset(axes)))

@@ -10,12 +10,12 @@ its temporaries to one leaf's (or one row's):
   consumers (the clipped gradient, read by both of Adam's moments); a row loop holds one row.
   Stacked leaves whose whole update is in place (``Plan.in_place_whole``: AdamW) are not rows:
   whole, XLA updates them in a few elementwise passes, faster than a loop. Nor are those of
-  ``staged`` (clipping before AdamW, ``Plan.staged_in_place``): their clipped gradient is
-  computed first and returned, for the caller to let it take over the gradient's buffer, and
-  the rest of the update runs whole from it, in place.
+  ``from_cut`` (clipping before AdamW, ``Plan.in_place_from_cut_gradient``): their cut
+  gradient (the clipped one) is computed first and returned, for the caller to let it take
+  over the gradient's buffer, and the rest of the update runs whole from it, in place.
 * with a global stage (clipping), the other leaves are updated one after the other: each
   leaf's update reads its gradient only once the previous leaf's new param exists
-  (``value_after``). XLA would otherwise run each stage of the update (the clipping, the
+  (``value_after``). XLA would otherwise run each part of the update (the clipping, the
   moments, the step) over every leaf before the next, holding a whole tree of its temporaries
   (measured, a 16-layer 256x256 MLP with clipping and AdamW over 4 microbatches: 8.39 MB of
   temporaries unordered, 4.61 MB ordered with two-pass and 0.42 MB in forward mode). A
@@ -39,44 +39,46 @@ from optfuse._base._memory_spaces import is_host, like, to_device
 from optfuse._fusion._row_buffers import Stack, row_at, row_loop, value_after
 from optfuse._jaxpr._rows import ROW_COMBINE, NotRowwise
 from optfuse._plan._plan import Plan
+from optfuse._targets._backends import LoopPolicy
 
 
-def apply_update(plan: Plan, grads: list, state: list, params: list,
+def apply_update(plan: Plan, policy: LoopPolicy, grads: list, state: list, params: list,
                  rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
-                 axes: dict | None = None, staged: frozenset[int] = frozenset()
+                 axes: dict | None = None, from_cut: frozenset[int] = frozenset()
                  ) -> tuple[list, list, list, list]:
   """The plan's update of flat ``params`` and ``state`` from the flat ``grads``, applied.
 
   Args:
     plan: the plan of the optimizer for these params and state.
+    policy: the step's per-compiler choices of its row loops (``_backends.loop_policy``).
     grads: the flat gradient, one leaf per param leaf.
     state: the flat optimizer state.
     params: the flat params.
     rows: leaves updated row by row in place (``update_rows``), along ``axes[i]``.
     deferred: leaves left as they are (their param and slots come back unchanged).
     axes: leaf -> the axis its rows are stacked along (default 0).
-    staged: leaves updated whole through their ``Plan.gradient_stage``: the staged gradient
+    from_cut: leaves updated whole through their ``Plan.cut_gradient_split``: the cut gradient
       (the clipped one) first, then the rest of the update from it, in place.
 
   Returns:
-    ``(new_params, new_state, cuts, staged_grads)``: flat, with the cuts of the plan's global
-    stage, and ``grads`` with the staged gradient of each ``staged`` leaf in place of its
+    ``(new_params, new_state, cuts, cut_grads)``: flat, with the cuts of the plan's global
+    stage, and ``grads`` with the cut gradient of each ``from_cut`` leaf in place of its
     gradient (a caller that returns it lets XLA write it over the gradient's buffer). Non-float
     params are kept, with their integer slots.
   """
   cuts, global_state = global_stage(plan, grads, state, params, axes or {})
-  new_params, slots, previous, staged_grads = list(params), {}, None, list(grads)
+  new_params, slots, previous, cut_grads = list(params), {}, None, list(grads)
   for i, p in enumerate(params):
     if i in deferred:
       continue
     old = [state[k] for k in plan.groups[i].state_outs]
-    if i in staged:
-      staged_grads[i], update, slots[i] = plan.run_staged(i, to_device(grads[i]),
+    if i in from_cut:
+      cut_grads[i], update, slots[i] = plan.run_from_cut_gradient(i, to_device(grads[i]),
                                                           _on_device(plan, i, state), params, cuts)
-      staged_grads[i] = like(staged_grads[i], grads[i])
+      cut_grads[i] = like(cut_grads[i], grads[i])
       new_params[i] = optax.apply_updates(p, update)
     elif i in rows:
-      new_params[i], slots[i] = update_rows(plan, i, grads[i], state, params, cuts,
+      new_params[i], slots[i] = update_rows(plan, policy, i, grads[i], state, params, cuts,
                                             (axes or {}).get(i, 0))
     else:
       ordered = previous is not None and not plan.is_separable
@@ -90,7 +92,7 @@ def apply_update(plan: Plan, grads: list, state: list, params: list,
       previous = new_params[i]
     else:
       slots[i] = keep_int_state(tuple(slots[i]), tuple(old))
-  return new_params, plan.new_state(state, params, slots, global_state), cuts, staged_grads
+  return new_params, plan.new_state(state, params, slots, global_state), cuts, cut_grads
 
 
 def global_stage(plan: Plan, grads: list, state: list, params: list, axes: dict
@@ -147,16 +149,16 @@ def stacked_rows(plan: Plan, axes: dict, state: list, params: list) -> frozenset
                    and plan.rowwise(i, state, params, axis=axes[i]))
 
 
-def stacked_staged(plan: Plan, axes: dict, params: list) -> frozenset[int]:
-  """The stacked float leaves (``axes``) whose update is not in place whole but is once their
-  gradient is staged (``Plan.staged_in_place``: the clipped gradient written over the
+def stacked_from_cut_gradient(plan: Plan, axes: dict, params: list) -> frozenset[int]:
+  """The stacked float leaves (``axes``) whose update is not in place whole but is from their
+  cut gradient (``Plan.in_place_from_cut_gradient``: the clipped gradient written over the
   gradient's buffer, then AdamW whole from it)."""
   return frozenset(i for i in axes if is_float(params[i]) and not plan.in_place_whole(i)
-                   and plan.staged_in_place(i))
+                   and plan.in_place_from_cut_gradient(i))
 
 
-def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
-                axis: int = 0) -> tuple[Any, list]:
+def update_rows(plan: Plan, policy: LoopPolicy, i: int, grad, state: list, params: list,
+                cuts: list, axis: int = 0) -> tuple[Any, list]:
   """Leaf ``i``'s new param and state slots from its gradient ``grad``, one row per iteration,
   written in place.
 
@@ -178,5 +180,5 @@ def update_rows(plan: Plan, i: int, grad, state: list, params: list, cuts: list,
     return [(optax.apply_updates(param_rows[0], update), new_slots)], carry
 
   stack = Stack(params[i], tuple(state[k] for k in group.state_outs), axis)
-  (stack,), _ = row_loop(length, lambda k: k, [stack], body, ())
+  (stack,), _ = row_loop(policy, length, lambda k: k, [stack], body, ())
   return stack.param, list(stack.slots)

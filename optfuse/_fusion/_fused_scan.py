@@ -19,8 +19,11 @@ A stacked param may reach the scan through row-preserving operations (a dtype ca
 ``moveaxis``: its ``path``): they move into the loop body, so the body reads row ``l`` of the
 stored param along its stored axis, and the update runs on the stored row in the stored dtype.
 
-What the loop needs from a mode is the ``LoopUpdater`` protocol (``_fused_step.LeafUpdater``,
-``_two_pass._Updater``); this module imports nothing above it.
+What the loop needs from a mode is the ``RowUpdater`` protocol (``_fused_step.LeafUpdater``),
+or with two-pass backward's statistics the ``StatsUpdater`` (``_two_pass._Updater``), given
+with the rest of what a step's loops read as one ``LoopInputs`` value; what the forward loops
+update comes back as a value (``fused_scan``'s second result), and the backward loop records
+only that it ran, in the step's ``_tap.PullbackRecord``. This module imports nothing above it.
 """
 
 from __future__ import annotations
@@ -45,45 +48,60 @@ from optfuse._fusion._row_buffers import (
 )
 from optfuse._fusion._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._fusion._sites import Site
+from optfuse._fusion._tap import PullbackRecord
 from optfuse._jaxpr import _interpreter, _rows
-from optfuse._targets._backends import CARRIED_STACKS, for_platform
+from optfuse._targets._backends import LoopPolicy
 
 
-class LoopUpdater(Protocol):
-  """What a fused scan asks of the mode that runs it.
-
-  Trace-time invariants: the backward rule of a fused scan runs while ``jax.vjp``'s pullback is
-  traced, once per pullback call; it adds each leaf it updates to ``fired`` then, reads
-  ``stage`` then (two-pass backward calls the pullback twice: ``"stats"``, then ``"update"``),
-  and forward fusion reads ``pre_results`` after the loss has been traced.
+class RowUpdater(Protocol):
+  """What a fused scan's backward loop asks of a mode that updates rows: the one-pass step of
+  backward fusion, forward fusion's capture and accumulation (``_fused_step.LeafUpdater``).
 
   Attributes:
     update_params: whether the rows of the params are written (``False``: only the state's, for
       gradient accumulation).
-    stage: ``"update"``, or ``"stats"`` in two-pass backward's first pass.
-    fired: the leaves whose backward rule ran in this pass.
-    pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).
-    pre_results: leaf -> ``(param stack, slot stacks)`` the forward loops updated.
-    stat_inputs: leaf -> zero arrays whose cotangents carry the leaf's statistics (two-pass).
   """
 
   update_params: bool
-  stage: str
-  fired: set
-  pre_updates: dict
-  pre_results: dict
-  stat_inputs: dict
-
-  def readonly(self, leaf: int) -> Any:
-    """The other inputs the leaf's update reads whole (shared state, other params)."""
 
   def row_update(self, leaf: int, grad_row, param_row, slot_rows, readonly, index, length: int,
                  axis: int) -> tuple[Any, Any]:
-    """Row ``index`` (along the stored ``axis``) of the leaf's ``(update, new_slots)``."""
+    """Row ``index`` (along the stored ``axis``) of the leaf's ``(update, new_slots)``;
+    ``readonly`` is the leaf's entry of ``LoopInputs.readonly`` (``None`` without one)."""
+
+
+class StatsUpdater(RowUpdater, Protocol):
+  """What a fused scan's backward loop asks of two-pass backward (``_two_pass._Updater``): in
+  its statistics pass, each row's statistics; in its update pass, each row's update."""
 
   def row_stats(self, leaf: int, grad_row, index, length: int, axis: int) -> list:
-    """The leaf's statistics on one gradient row as ``(partial, reduction)`` pairs (called only
-    in the ``"stats"`` stage)."""
+    """The leaf's statistics on one gradient row as ``(partial, reduction)`` pairs."""
+
+
+class LoopInputs(NamedTuple):
+  """What the fused scans of one step read besides their equations, given by the step.
+
+  Attributes:
+    updater: the mode's ``RowUpdater``; a ``StatsUpdater`` where ``record`` starts with a
+      statistics pass (two-pass backward).
+    policy: the step's per-compiler choices of its loops.
+    record: the step's ``PullbackRecord``: the backward loops record in it that they ran, and
+      read which pass of two-pass backward is traced.
+    slots: leaf -> its optimizer-state slots (stacked like the leaf).
+    readonly: leaf -> the other inputs its row update reads whole (shared state, other params),
+      passed through the fused scan's inputs.
+    pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).
+    stat_inputs: leaf -> zero arrays whose cotangents carry the leaf's statistics (two-pass
+      backward's statistics pass).
+  """
+
+  updater: RowUpdater
+  policy: LoopPolicy
+  record: PullbackRecord
+  slots: dict
+  readonly: dict = {}
+  pre_updates: dict = {}
+  stat_inputs: dict = {}
 
 
 class PreUpdate(NamedTuple):
@@ -122,9 +140,10 @@ class _ForwardLoop(NamedTuple):
   row rewritten in the loop costs a copy of the old row and a write, where a whole elementwise
   pass over the stack runs in place (measured, 8 stacked 256x256 AdamW leaves: 1.18 ms for
   the update row by row, 0.68 ms with the slots whole, 0.55 ms for optax's). On TPU the
-  loop carries the other param stacks too (``_backends.CARRIED_STACKS``).
+  loop carries the other param stacks too (``LoopPolicy.carried_stacks``).
   """
 
+  policy: LoopPolicy
   body: Body
   pre: tuple  # per fused leaf, its ``PreUpdate`` or ``None``
   pre_in: tuple  # per fused leaf, ``(grads, slots, operands)`` of its ``PreUpdate`` or ``None``
@@ -147,13 +166,16 @@ class _ForwardLoop(NamedTuple):
     row_fn, whole = self.pre[j].row_fn, self.pre[j].slots_fn is not None
     stack = Stack(stacks[j], slots if whole else slot_stacks[j], axis)
     grad_row, param_row = row_at(grads, index, axis), row_at(stacks[j], index, axis)
-    p_row, _ = row_fn(grad_row, param_row, read_slots(stack, index, None), operands, index)
+    policy = self.policy
+    p_row, _ = row_fn(grad_row, param_row, read_slots(policy, stack, index, None), operands,
+                      index)
     p_row = p_row.astype(stack.param.dtype)
     if whole:
-      stacks[j] = write_param_row(stack.param, p_row, index, axis)
+      stacks[j] = write_param_row(policy, stack.param, p_row, index, axis)
       return p_row
     stack = write_stack_rereading(
-        stack, p_row, lambda rows: row_fn(grad_row, param_row, rows, operands, index)[1], index)
+        policy, stack, p_row,
+        lambda rows: row_fn(grad_row, param_row, rows, operands, index)[1], index)
     stacks[j], slot_stacks[j] = stack.param, stack.slots
     return p_row
 
@@ -177,10 +199,10 @@ class _ForwardLoop(NamedTuple):
       for j, (u, axis) in enumerate(zip(pre, body.site.axes)):
         if u is not None:
           p_rows.append(self.pre_update(j, stacks, slot_stacks, index))
-        elif carried:  # read from the carry, written back (``_backends.CARRIED_STACKS``)
+        elif carried:  # read from the carry, written back (``LoopPolicy.carried_stacks``)
           p_rows.append(row_at(stacks[j], index, axis))
-          stacks[j] = write_param_row(stacks[j], lax.optimization_barrier(p_rows[-1]), index,
-                                      axis)
+          stacks[j] = write_param_row(self.policy, stacks[j],
+                                      lax.optimization_barrier(p_rows[-1]), index, axis)
         else:
           p_rows.append(row_at(pstacks[j], index, axis))
       out, pullback, _ = body.vjp(consts, c, body.body_rows(p_rows, index), xo_rows)
@@ -191,7 +213,7 @@ class _ForwardLoop(NamedTuple):
     whole = [u is not None and u.slots_fn is not None for u in pre]
     slot_stacks = tuple(u[1] if u is not None and not w else ()
                         for u, w in zip(self.pre_in, whole))
-    carried = for_platform(CARRIED_STACKS) and not body.site.in_remat
+    carried = self.policy.carried_stacks and not body.site.in_remat
     stacks = tuple(p if u is not None or carried else None for p, u in zip(pstacks, pre))
     init = (jnp.zeros((), jnp.int32), list(carry), stacks, slot_stacks)
     (_, carry_out, stacks, slot_stacks), (ys, saved, carries) = lax.scan(
@@ -222,43 +244,47 @@ def _body(eqn: jcore.JaxprEqn, site: Site, is_param_x: list) -> Body:
       [is_float_aval(v) for v in body_jaxpr.outvars])
 
 
-def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dict, ins: list
-               ) -> list:
+def fused_scan(eqn: jcore.JaxprEqn, site: Site, inputs: LoopInputs, ins: list
+               ) -> tuple[list, dict]:
   """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place.
 
   Args:
     eqn: the scan equation.
     site: its fused positions.
-    updater: the mode's ``LoopUpdater``.
-    slots: leaf -> its optimizer-state slots (stacked like the leaf).
+    inputs: what the step's loops read (``LoopInputs``).
     ins: the equation's inputs; at the fused positions the stored param leaves.
 
   Returns:
-    The scan's outputs.
+    ``(outputs, pre_results)``: the scan's outputs, and leaf -> ``(param stack, slot stacks)``
+    for the leaves its forward loop updated (``inputs.pre_updates``).
   """
+  updater, policy, record = inputs.updater, inputs.policy, inputs.record
   parts = _interpreter.scan_parts(eqn)
   nc, nk = parts.num_consts, parts.num_carry
   consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
   is_param_x = [pos in site.positions for pos in range(len(xs_in))]
   pstacks = tuple(xs_in[pos] for pos in site.positions)
   xs_other = [x for x, p in zip(xs_in, is_param_x) if not p]
-  leaf_slots = tuple(slots[leaf] for leaf in site.leaves)
-  readonly = tuple(updater.readonly(leaf) for leaf in site.leaves)
-  stat_in = tuple(updater.stat_inputs.get(leaf, ()) for leaf in site.leaves)
-  pre = tuple(updater.pre_updates.get(leaf) for leaf in site.leaves)
+  leaf_slots = tuple(inputs.slots[leaf] for leaf in site.leaves)
+  readonly = tuple(inputs.readonly.get(leaf) for leaf in site.leaves)
+  stat_in = tuple(inputs.stat_inputs.get(leaf, ()) for leaf in site.leaves)
+  pre = tuple(inputs.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
   body = _body(eqn, site, is_param_x)
+  # Where the residuals of the body's VJP come from (their sources and tree structure), found by
+  # the forward rule and read by the backward rule, which runs after it: static structure, not an
+  # array, so it cannot travel as a residual and crosses the custom_vjp boundary here.
   info: list[Residuals] = []
 
   @jax.custom_vjp
   def fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts, carry, xs_other):
     del leaf_slots, readonly, stat_in
-    loop = _ForwardLoop(body, pre, pre_in)
+    loop = _ForwardLoop(policy, body, pre, pre_in)
     carry_out, ys, _, _, pre_out, _ = loop.run(pstacks, consts, carry, xs_other, None)
     return (*carry_out, *ys), pre_out
 
   def fwd(pstacks, leaf_slots, readonly, pre_in, stat_in, consts, carry, xs_other):
-    loop = _ForwardLoop(body, pre, pre_in)
+    loop = _ForwardLoop(policy, body, pre, pre_in)
     residuals, invariant = loop.probe(pstacks, list(consts), list(carry), list(xs_other))
     info.append(residuals)
     carry_out, ys, saved, carries, pre_out, pstacks = loop.run(pstacks, consts, carry, xs_other,
@@ -270,12 +296,12 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   def bwd(res, cts):
     pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant, xs_other = res
     for leaf in site.leaves:
-      updater.fired.add(leaf)
+      record.ran(leaf)
     cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
     float_consts = split(consts, body.fc)[0]
-    loop = _BackwardLoop(body, updater, info[-1], leaf_slots, readonly, float_consts,
+    loop = _BackwardLoop(policy, body, updater, info[-1], leaf_slots, readonly, float_consts,
                          carries, saved, invariant, xs_other, list(cts[nk:]))
-    stats = updater.stage == "stats"
+    stats = record.stats
     ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, list(cts[:nk]), stats)
     ct_consts_full = merge(ct_consts, [None] * (nc - sum(body.fc)), body.fc)
     ct_xo_full = merge(ct_xo, [None] * (len(xs_other) - sum(body.fxo)), body.fxo)
@@ -289,10 +315,8 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, updater: LoopUpdater, slots: dic
   fscan.defvjp(fwd, bwd)
   outs, pre_out = fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts_in, carry_in,
                         xs_other)
-  for leaf, updated in zip(site.leaves, pre_out):
-    if updated is not None:
-      updater.pre_results[leaf] = updated
-  return list(outs)
+  return list(outs), {leaf: updated for leaf, updated in zip(site.leaves, pre_out)
+                      if updated is not None}
 
 
 def ordered_after(stacks: tuple, pre: PreUpdate | None, pre_out) -> tuple:
@@ -309,8 +333,9 @@ def ordered_after(stacks: tuple, pre: PreUpdate | None, pre_out) -> tuple:
 class _BackwardLoop(NamedTuple):
   """The backward loop of a fused scan: one iteration per layer, last layer first."""
 
+  policy: LoopPolicy
   body: Body
-  updater: LoopUpdater
+  updater: RowUpdater  # a ``StatsUpdater`` in two-pass backward
   residuals: Residuals
   leaf_slots: tuple
   readonly: tuple
@@ -364,7 +389,7 @@ class _BackwardLoop(NamedTuple):
       new_param = (p_rows[j] + update).astype(p_rows[j].dtype) if updater.update_params else None
       new_rows.append((new_param, list(new_slots)))
     ct_consts = [a + b for a, b in zip(ct_consts, g_consts)]
-    ct_xo = [write_row(acc, g, index) for acc, g in zip(ct_xo, g_xo)]
+    ct_xo = [write_row(self.policy, acc, g, index) for acc, g in zip(ct_xo, g_xo)]
     ct_c = merge(g_carry, [None] * (nk - sum(body.fk)), body.fk)
     return new_rows, (ct_c, ct_consts, ct_xo, tuple(accs))
 
@@ -384,13 +409,13 @@ class _BackwardLoop(NamedTuple):
     stacks = [Stack(p, tuple(s), a) for p, s, a in zip(pstacks, self.leaf_slots, axes)]
     first = next((c for c in [*ct_carry, *self.ct_ys] if c is not None and is_float(c)), None)
     stacks, (ct_c, ct_consts, ct_xo, accs) = row_loop(
-        body.length, self.index_of, stacks,
+        self.policy, body.length, self.index_of, stacks,
         lambda k, index, rows, read, carry: self.iteration(index, rows, read, carry, stats),
         carry, first, prefetch=updater.update_params)
     return ct_c, ct_consts, [s.param for s in stacks], [s.slots for s in stacks], ct_xo, accs
 
 
-def _stat_identities(updater, leaf: int, stack, length: int, axis: int) -> tuple:
+def _stat_identities(updater: StatsUpdater, leaf: int, stack, length: int, axis: int) -> tuple:
   """The value of each statistic of ``leaf`` over no rows: where the backward loop starts
   combining the rows' partial statistics."""
   found: list = []

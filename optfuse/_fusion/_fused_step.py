@@ -27,37 +27,31 @@ from optfuse._base._checks import check_loss
 from optfuse._base._leaves import is_float, keep_int_state
 from optfuse._base._memory_spaces import like, to_device
 from optfuse._fusion import _loops
-from optfuse._fusion._tap import make_tap
+from optfuse._fusion._tap import PullbackRecord, make_tap
 from optfuse._plan._plan import Plan
+from optfuse._targets._backends import LoopPolicy
 
 
 class LeafUpdater:
-  """Runs the fused update of single leaves, recording which leaves were updated.
+  """Runs the fused update of single leaves.
 
-  The backward rules call ``update``; leaves that are never updated during the backward pass are
-  finished by ``finish`` with a zero gradient, exactly as optax would treat them.
+  The backward rules call ``apply`` (a tap's) and ``row_update`` (a fused scan's loop); the
+  leaves whose rule never ran in the backward pass are finished by ``finish`` with a zero
+  gradient, exactly as optax would treat them.
   """
 
   def __init__(self, plan: Plan, state_leaves: list, param_leaves: list,
-               update_params: bool = True, pre_updates: dict | None = None):
+               update_params: bool = True):
     self.plan = plan
     self.state = state_leaves
     self.params = param_leaves
     self.update_params = update_params
-    self.fired: set[int] = set()
-    self.pre_updates: dict[int, _loops.PreUpdate] = dict(pre_updates or {})
-    self.pre_results: dict[int, tuple] = {}
-    self.stage = "update"  # one backward pass, which updates (see ``_two_pass`` for two)
-    self.stat_inputs: dict[int, tuple] = {}
 
   def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int,
                  axis: int = 0):
     """Row ``index`` of leaf ``i``'s ``(update, new_slots)``, inside a backward loop."""
     return self.plan.run_group_row(i, readonly[0], readonly[1], (),
                                    (grad_row, param_row, slot_rows), index, length, axis)
-
-  def row_stats(self, i: int, grad_row, index, length: int, axis: int = 0):
-    raise NotImplementedError("a one-pass backward step computes no statistics")
 
   def slots(self, i: int) -> tuple:
     return tuple(self.state[k] for k in self.plan.groups[i].state_outs)
@@ -89,34 +83,36 @@ class LeafUpdater:
     return params_out, self.plan.new_state(self.state, self.params, slots_out)
 
 
-def _make_tap(updater: LeafUpdater, i: int) -> Callable:
-  """Leaf ``i``'s tap: ``tap(param, (slots, readonly))``, whose rule updates the leaf."""
+def _make_tap(updater: LeafUpdater, record: PullbackRecord, i: int) -> Callable:
+  """Leaf ``i``'s tap: ``tap(param, (slots, readonly))``, whose rule updates the leaf and
+  records that it ran in ``record``."""
   def rule(grad, param, operands):
     slots, readonly = operands
-    updater.fired.add(i)
+    record.ran(i)
     new_param, new_slots = updater.apply(i, grad, param, slots, readonly)
     return new_param, (new_slots, None)
 
   return make_tap(rule)
 
 
-def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state,
-                     args: tuple, kwargs: dict, update_params: bool = True,
-                     loop_plan: _loops.LoopPlan | None = None,
+def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
+                     state, args: tuple, kwargs: dict, loop_plan: _loops.LoopPlan,
+                     update_params: bool = True,
                      pre_updates: dict[int, _loops.PreUpdate] | None = None) -> tuple:
   """One backward-fused step: ``(value, new_params, new_state)``.
 
   Args:
     plan: the update plan for these params/state.
+    policy: the step's per-compiler choices of its loops (``_backends.loop_policy``).
     loss_fn: ``loss_fn(params, *args, **kwargs)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     params: the params tree.
     state: the optax state.
     args: positional arguments of ``loss_fn`` after params.
     kwargs: keyword arguments of ``loss_fn``.
+    loop_plan: ``_loops.analyze``'s plan for this loss and these params.
     update_params: ``False`` leaves the params as they are and updates only the state (used to
       accumulate gradients into a state that holds their sum).
-    loop_plan: ``_loops.analyze``'s plan for this loss and these params, if already made.
     pre_updates: leaf index -> ``_loops.PreUpdate`` for leaves of fused loops whose rows are
       updated in the forward iteration that reads them (forward fusion).
 
@@ -127,13 +123,11 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
   """
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
-  updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), update_params,
-                        pre_updates)
+  updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), update_params)
+  record = PullbackRecord()
   diff = [i for i, p in enumerate(param_leaves) if is_float(p)]
-  if loop_plan is None:
-    loop_plan = _loops.analyze(loss_fn, plan, params, list(state_leaves), args, kwargs, diff)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
-  taps = {i: _make_tap(updater, i) for i in tapped_leaves}
+  taps = {i: _make_tap(updater, record, i) for i in tapped_leaves}
 
   def tapped_loss(diff_params, slots):
     leaves = list(param_leaves)
@@ -141,9 +135,11 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
       leaves[i] = taps[i](diff_params[i], (slots[i], updater.readonly(i)))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
-    value = loop_plan.call(updater, leaves, slots, args, kwargs)
+    readonly = {i: updater.readonly(i) for i in loop_plan.fused_leaves}
+    inputs = _loops.LoopInputs(updater, policy, record, slots, readonly, dict(pre_updates or {}))
+    value, pre_results = loop_plan.call(inputs, leaves, args, kwargs)
     loss, aux = check_loss(value, has_aux)
-    return loss, (aux, dict(updater.pre_results))
+    return loss, (aux, pre_results)
 
   diff_params = {i: param_leaves[i] for i in diff}
   slots = {i: updater.slots(i) for i in diff}
@@ -151,7 +147,7 @@ def value_and_update(plan: Plan, loss_fn: Callable, has_aux: bool, params, state
   value = (loss, aux) if has_aux else loss
   seed = jnp.ones_like(loss)
   new_params, new_slots = pullback(seed)
-  fired = updater.fired
+  fired = record.fired[-1]
   params_out, state_out = updater.finish(
       {i: new_params[i] for i in diff if i in fired},
       {i: new_slots[i] for i in diff if i in fired})

@@ -39,6 +39,7 @@ from jax.extend.core import primitives as P
 
 from optfuse._base._memory_spaces import is_host
 from optfuse._fusion import _fused_scan
+from optfuse._fusion._fused_scan import LoopInputs as LoopInputs
 from optfuse._fusion._fused_scan import PreUpdate as PreUpdate
 from optfuse._fusion._sites import REWRAPPED_CALLS, Finder, View, entered_calls
 from optfuse._jaxpr import _interpreter, _row_params
@@ -84,12 +85,15 @@ class LoopPlan(NamedTuple):
   reasons: dict
   in_remat: frozenset = frozenset()
 
-  def call(self, updater, leaves, slots, args, kwargs):
-    """Evaluates the loss on ``leaves`` (the fused leaves untapped) with fused scans."""
+  def call(self, inputs: LoopInputs, leaves, args, kwargs) -> tuple[Any, dict]:
+    """Evaluates the loss on ``leaves`` (the fused leaves untapped) with fused scans, which
+    read ``inputs``: ``(value, pre_results)``, the loss's value and leaf -> ``(param stack,
+    slot stacks)`` of the leaves the forward loops updated (``LoopInputs.pre_updates``)."""
     arg_leaves = jax.tree.leaves((args, kwargs))
     dyn = [a for a, d in zip(arg_leaves, self.dynamic) if d]
-    outs = _LossInterpreter(self, updater, slots).run(self.jaxpr, self.consts, [*leaves, *dyn])
-    return jax.tree.unflatten(self.out_def, outs)
+    interpreter = _LossInterpreter(self, inputs)
+    outs = interpreter.run(self.jaxpr, self.consts, [*leaves, *dyn])
+    return jax.tree.unflatten(self.out_def, outs), interpreter.pre_results
 
 
 def is_dynamic(x) -> bool:
@@ -165,16 +169,19 @@ class _LossInterpreter(_interpreter.Interpreter):
   the path equations of its leaves are deferred into the loop body, and the calls that hold
   either are entered."""
 
-  def __init__(self, loop_plan: LoopPlan, updater, slots):
+  def __init__(self, loop_plan: LoopPlan, inputs: LoopInputs):
     super().__init__()
-    self.loop_plan, self.updater, self.slots = loop_plan, updater, slots
+    self.loop_plan, self.inputs = loop_plan, inputs
+    self.pre_results: dict = {}  # what the forward loops updated, returned by ``LoopPlan.call``
 
   def scan(self, eqn, ins) -> list:
     site = self.loop_plan.sites.get(id(eqn))
     if site is None:
       return self.default(eqn, ins)
     ins = [x.value if isinstance(x, _Deferred) else x for x in ins]
-    return _fused_scan.fused_scan(eqn, site, self.updater, self.slots, ins)
+    outs, pre_results = _fused_scan.fused_scan(eqn, site, self.inputs, ins)
+    self.pre_results.update(pre_results)
+    return outs
 
   def path(self, eqn, ins) -> list:
     if id(eqn) not in self.loop_plan.deferred:

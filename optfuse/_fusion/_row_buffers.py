@@ -17,6 +17,10 @@ and writes of each leaf so that both hold:
   update) reads them unordered (``x=None``): there is no VJP to hold them through, and the
   ordered index costs time (``_fused_scan._ForwardLoop.pre_update``).
 
+Which of these orders applies is the compiler's and the device count's choice, made once per
+traced step by its engine: every function here that orders or lays out takes that step's
+``LoopPolicy`` (``_backends.loop_policy``) as its first argument.
+
 Measured on the 1.3B decoder (AdamW, backward fusion): prefetching every row kept 12 rows
 (three layer rows, 576 MiB) alive through the VJP, 18.02 GB peak; this order holds only the four
 param rows, 17.61 GB. An unordered read of old ``mu`` next to its in-place write makes XLA copy
@@ -35,7 +39,7 @@ from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from optfuse._base._memory_spaces import is_host, like, to_device
-from optfuse._targets._backends import STORED_LAYOUTS, STREAMED_PREFETCH, device_count, for_platform
+from optfuse._targets._backends import LoopPolicy
 
 
 def row_at(x, index, axis: int = 0):
@@ -44,42 +48,41 @@ def row_at(x, index, axis: int = 0):
   return to_device(lax.dynamic_index_in_dim(x, index, axis, keepdims=False))
 
 
-def write_row(buf, row, index, axis: int = 0):
+def write_row(policy: LoopPolicy, buf, row, index, axis: int = 0):
   """``buf`` with its row ``index`` along ``axis`` replaced by ``row`` (cast to its dtype, and
   moved to host memory when ``buf`` lives there)."""
   row = row.astype(buf.dtype)
   if is_host(buf):  # a streamed row: pinned on the device, before its move to the host stack
-    row = _stored_layout(row)
+    row = _stored_layout(policy, row)
   return lax.dynamic_update_index_in_dim(buf, like(row, buf), index, axis)
 
 
-def _stored_layout(x):
+def _stored_layout(policy: LoopPolicy, x):
   """``x`` pinned to the row-major layout the step's arguments have, where the compiler would
-  otherwise choose another for a stack or a row written into one (``_backends.STORED_LAYOUTS``):
+  otherwise choose another for a stack or a row written into one (``LoopPolicy.stored_layouts``):
   it laid packed low-bit codes out column-major, and relayouted their whole host stack."""
-  if x.ndim < 2 or not for_platform(STORED_LAYOUTS) or not ordered():
+  if x.ndim < 2 or not policy.stored_layouts:
     return x
   return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 
-def write_param_row(buf, row, index, axis: int = 0):
+def write_param_row(policy: LoopPolicy, buf, row, index, axis: int = 0):
   """``write_row`` for a param stack: the new stack keeps the row-major layout the step's
   arguments have, where the compiler would relayout a loop-carried stack whole
-  (``_backends.STORED_LAYOUTS``). On one device only: the SPMD partitioner does not partition
-  the constraint (a custom call), and all-gathers a sharded stack into it every iteration."""
-  out = write_row(buf, row, index, axis)
-  return out if is_host(out) else _stored_layout(out)
+  (``LoopPolicy.stored_layouts``)."""
+  out = write_row(policy, buf, row, index, axis)
+  return out if is_host(out) else _stored_layout(policy, out)
 
 
-def after(index, x):
+def after(policy: LoopPolicy, index, x):
   """``index``, as a value XLA computes only once ``x`` exists: reads and writes at it follow
   ``x``. (``min(i, max(d, i)) == i`` for any integer ``d``, an identity XLA does not fold.)
 
-  On several devices it is ``index`` itself (see ``ordered``): when ``x`` is sharded (FSDP)
-  the element it would read lives on one device, and reading it would add a scalar
-  collective per leaf and iteration to the loop.
+  Unordered (``LoopPolicy.ordered``: several devices) it is ``index`` itself: when ``x`` is
+  sharded (FSDP) the element it would read lives on one device, and reading it would add a
+  scalar collective per leaf and iteration to the loop.
   """
-  if x is None or not jnp.size(x) or not ordered():
+  if x is None or not jnp.size(x) or not policy.ordered:
     return index
   dep = x[(0,) * jnp.ndim(x)].real.astype(jnp.int32)
   return jnp.minimum(index, jnp.maximum(dep, index))
@@ -111,14 +114,14 @@ class Stack(NamedTuple):
   axis: int
 
 
-def write_stack(stack: Stack, param_row, slot_rows, index) -> Stack:
+def write_stack(policy: LoopPolicy, stack: Stack, param_row, slot_rows, index) -> Stack:
   """Writes a leaf's new rows at ``index``: the param row (``None``: kept), then the slot rows
   (``None``: kept) after it."""
   param, at = stack.param, index
   if param_row is not None:
-    param = write_param_row(param, param_row, index, stack.axis)
-    at = after(index, _written(param, param_row))
-  slots = tuple(s if r is None else write_row(s, r, at, stack.axis)
+    param = write_param_row(policy, param, param_row, index, stack.axis)
+    at = after(policy, index, _written(param, param_row))
+  slots = tuple(s if r is None else write_row(policy, s, r, at, stack.axis)
                 for s, r in zip(stack.slots, slot_rows or [None] * len(stack.slots)))
   return Stack(param, slots, stack.axis)
 
@@ -131,23 +134,8 @@ def _written(param, row):
   return row if is_host(param) else param
 
 
-def ordered() -> bool:
-  """Whether row loops order their reads with ``after`` (one device), or prefetch every row.
-
-  On several devices the dependency would add scalar collectives (``after``), and prefetching
-  the slot rows with the param rows keeps XLA from copying the sharded stacks (measured, FSDP
-  on 8 devices: the slot rows read unordered in the iteration peaked at 1.14x optax's memory
-  per device, prefetched at 1.00x). Nor do they leave the slots to a whole pass after the loop
-  there (``Plan.slots_whole``): ordering that pass after the loop with ``value_after`` on a
-  sharded stack all-gathers it (measured: 18 all-gathers more on the FSDP bench's decoder).
-  On one device the order holds on every compiler (measured, backward peaks ordered against
-  unordered: TPU v5e, the 1.3B decoder at 12 layers 9.83 / 10.58 GB; H100, 24 layers 17.42 /
-  17.69 GB).
-  """
-  return device_count() == 1
-
-
-def write_stack_rereading(stack: Stack, param_row, slot_fn: Callable, index) -> Stack:
+def write_stack_rereading(policy: LoopPolicy, stack: Stack, param_row, slot_fn: Callable, index
+                          ) -> Stack:
   """Writes a leaf's new param row at ``index``, then its slot rows ``slot_fn(old_rows)``,
   computed from the old slot rows read again once the param row is written.
 
@@ -158,16 +146,16 @@ def write_stack_rereading(stack: Stack, param_row, slot_fn: Callable, index) -> 
   forward loop of forward fusion: 0.99 MB of temporaries instead of 1.19 MB). ``slot_fn``
   recomputes the new slots, which the param update computed already.
   """
-  param = write_param_row(stack.param, param_row, index, stack.axis)
-  at = after(index, _written(param, param_row))
+  param = write_param_row(policy, stack.param, param_row, index, stack.axis)
+  at = after(policy, index, _written(param, param_row))
   new_rows = slot_fn([row_at(s, at, stack.axis) for s in stack.slots])
-  slots = tuple(write_row(s, r, at, stack.axis) for s, r in zip(stack.slots, new_rows))
+  slots = tuple(write_row(policy, s, r, at, stack.axis) for s, r in zip(stack.slots, new_rows))
   return Stack(param, slots, stack.axis)
 
 
-def read_slots(stack: Stack, index, x) -> list:
+def read_slots(policy: LoopPolicy, stack: Stack, index, x) -> list:
   """A leaf's slot rows at ``index``, read once ``x`` exists (``None``: unordered)."""
-  at = after(index, x)
+  at = after(policy, index, x)
   return [row_at(s, at, stack.axis) for s in stack.slots]
 
 
@@ -177,11 +165,13 @@ def read_slots(stack: Stack, index, x) -> list:
 RowBody = Callable[[Any, Any, list, Callable, Any], tuple[Sequence, Any]]
 
 
-def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: RowBody, carry,
-             first=None, prefetch: bool = True) -> tuple[list[Stack], Any]:
+def row_loop(policy: LoopPolicy, length: int, index_of: Callable, stacks: Sequence[Stack],
+             body: RowBody, carry, first=None, prefetch: bool = True
+             ) -> tuple[list[Stack], Any]:
   """Runs ``body`` once per row, updating the ``stacks`` in place in the order above.
 
   Args:
+    policy: the step's per-compiler choices.
     length: the number of iterations.
     index_of: ``index_of(k)``, the row of iteration ``k`` (``k`` or ``length - 1 - k``).
     stacks: the stacked leaves the loop updates.
@@ -198,16 +188,16 @@ def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: Row
     ``(stacks, carry)`` after the last iteration.
 
   A loop with slots in host memory (``offload="state"``) prefetches every row, as on several
-  devices, where the platform's compiler measured better with it (``_backends.
-  STREAMED_PREFETCH``: TPU): the next iteration's slot rows start their host-to-device transfer
-  at the end of this iteration, so that it overlaps the next layer's pullback instead of
-  waiting for its gradient row (one row per slot more on the device). Elsewhere (GPU) they are
-  read once the gradient row exists, as on one device without offload.
+  devices, where the platform's compiler measured better with it
+  (``LoopPolicy.streamed_prefetch``: TPU): the next iteration's slot rows start their
+  host-to-device transfer at the end of this iteration, so that it overlaps the next layer's
+  pullback instead of waiting for its gradient row (one row per slot more on the device).
+  Elsewhere (GPU) they are read once the gradient row exists, as on one device without offload.
   """
   streamed = any(is_host(t) for s in stacks for t in s.slots)
-  prefetch_slots = streamed and for_platform(STREAMED_PREFETCH)
-  loop = _leaf_major_loop if ordered() and not prefetch_slots else _kind_major_loop
-  return loop(length, index_of, list(stacks), body, carry, first, prefetch)
+  prefetch_slots = streamed and policy.streamed_prefetch
+  loop = _leaf_major_loop if policy.ordered and not prefetch_slots else _kind_major_loop
+  return loop(policy, length, index_of, list(stacks), body, carry, first, prefetch)
 
 
 # The two layouts of the loop's carry. They hold the same values; XLA assigns buffers
@@ -218,7 +208,7 @@ def row_loop(length: int, index_of: Callable, stacks: Sequence[Stack], body: Row
 # device (3.94 GB the other way).
 
 
-def _leaf_major_loop(length, index_of, stacks, body, carry, first, prefetch):
+def _leaf_major_loop(policy, length, index_of, stacks, body, carry, first, prefetch):
   """One device: reads ordered with ``after``, the carry as per-leaf ``(param, slots)``."""
   axes = [s.axis for s in stacks]
   restack = lambda buffers: [Stack(p, tuple(t), a) for (p, t), a in zip(buffers, axes)]
@@ -228,19 +218,19 @@ def _leaf_major_loop(length, index_of, stacks, body, carry, first, prefetch):
     buffers, rows, carry = state
     stacks, index = restack(buffers), index_of(k)
     rows = rows if prefetch else param_rows(stacks, index)
-    read = lambda j, x: read_slots(stacks[j], index, x)
+    read = lambda j, x: read_slots(policy, stacks[j], index, x)
     new_rows, carry = body(k, index, rows, read, carry)
-    stacks = [write_stack(s, *new, index) for s, new in zip(stacks, new_rows)]
+    stacks = [write_stack(policy, s, *new, index) for s, new in zip(stacks, new_rows)]
     next_rows = param_rows(stacks, index_of(jnp.minimum(k + 1, length - 1))) if prefetch else []
     return [(s.param, s.slots) for s in stacks], next_rows, carry
 
   init = ([(s.param, s.slots) for s in stacks],
-          param_rows(stacks, after(index_of(0), first)) if prefetch else [], carry)
+          param_rows(stacks, after(policy, index_of(0), first)) if prefetch else [], carry)
   buffers, _, carry = lax.fori_loop(0, length, iteration, init)
   return restack(buffers), carry
 
 
-def _kind_major_loop(length, index_of, stacks, body, carry, first, prefetch):
+def _kind_major_loop(policy, length, index_of, stacks, body, carry, first, prefetch):
   """Several devices: every row prefetched, the carry as the loop's state, then the params,
   the slots and the rows."""
   del first  # ``after`` is the index itself on several devices
@@ -256,7 +246,7 @@ def _kind_major_loop(length, index_of, stacks, body, carry, first, prefetch):
     index = index_of(k)
     rows = rows if prefetch else rows_at(params, slots, index)
     new_rows, carry = body(k, index, rows[0], lambda j, x: list(rows[1][j]), carry)
-    stacks = [write_stack(s, *new, index) for s, new in zip(stacks, new_rows)]
+    stacks = [write_stack(policy, s, *new, index) for s, new in zip(stacks, new_rows)]
     params, slots = tuple(s.param for s in stacks), tuple(s.slots for s in stacks)
     next_rows = (rows_at(params, slots, index_of(jnp.minimum(k + 1, length - 1))) if prefetch
                  else ([], []))

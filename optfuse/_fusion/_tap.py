@@ -16,6 +16,40 @@ from typing import Any
 
 import jax
 
+
+class PullbackRecord:
+  """What crosses the ``jax.custom_vjp`` boundary of one step's backward rules: the one object
+  a step writes while it is traced.
+
+  A backward rule (a tap's, a fused scan's loop) runs when ``jax.vjp``'s pullback is traced,
+  after the forward pass that bound it has returned. What it returns are cotangents only, and a
+  leaf whose rule never ran (the loss does not read it) comes back as a zero like any other;
+  so each rule records here that it ran, and the step reads the record after its pullback to
+  give the other leaves optax's zero-gradient update. Two-pass backward calls the pullback
+  twice, and its rules read here which pass is traced and the cuts the first pass's statistics
+  combine into: values known only after the first pullback.
+
+  Attributes:
+    stats: whether the pullback traced now reduces statistics (two-pass backward's first pass)
+      instead of updating.
+    cuts: the combined statistics the update pass reads (two-pass backward; else empty).
+    fired: per pullback call, the leaves whose backward rule ran in it.
+  """
+
+  def __init__(self, stats: bool = False):
+    self.stats, self.cuts = stats, []
+    self.fired: list[set[int]] = [set()]
+
+  def ran(self, leaf: int) -> None:
+    """Records that ``leaf``'s backward rule ran in the pullback traced now."""
+    self.fired[-1].add(leaf)
+
+  def start_update_pass(self, cuts: list) -> None:
+    """Starts the update pass of two-pass backward, whose rules read ``cuts``."""
+    self.stats, self.cuts = False, cuts
+    self.fired.append(set())
+
+
 # ``rule(grad, param, operands) -> (param_cotangent, operands_cotangent)``; ``None`` in the
 # cotangent of ``operands`` is a zero for that subtree.
 TapRule = Callable[[Any, Any, Any], tuple[Any, Any]]

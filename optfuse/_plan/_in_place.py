@@ -54,9 +54,9 @@ def in_place(jaxpr: jcore.Jaxpr, reads: Sequence[bool], leaf: int, state_outs: S
 
 
 @functools.lru_cache(maxsize=1024)
-def gradient_stage(jaxpr: jcore.Jaxpr, reads: Sequence[bool], leaf: int, consts: int, n: int,
-                   m: int) -> tuple[tuple[jcore.Jaxpr, tuple[bool, ...]],
-                                    tuple[jcore.Jaxpr, tuple[bool, ...]]] | None:
+def cut_gradient_split(jaxpr: jcore.Jaxpr, reads: Sequence[bool], leaf: int, consts: int, n: int,
+                       m: int) -> tuple[tuple[jcore.Jaxpr, tuple[bool, ...]],
+                                        tuple[jcore.Jaxpr, tuple[bool, ...]]] | None:
   """The update (as ``in_place`` takes it) split at the value it computes from its gradient and
   the cuts alone, when the rest reads the gradient and the cuts only through that value.
 

@@ -12,22 +12,22 @@ from optfuse._plan._plan import Plan
 
 # What a mode does with a global stage (clipping, ``apply_if_finite``):
 # - "refuse": the plan is separable or ``NonSeparableError`` says why (backward fusion);
-# - "whole": a global stage computed once from the whole gradient (forward fusion);
+# - "tree": a global stage computed once from the gradient tree (forward fusion);
 # - "per_leaf": the global stage split into per-leaf statistics and a combine step, which a
 #   backward pass or a row loop can carry (forward fusion with the pending gradient on host);
 # - "if_needed": separable where the transform is, per-leaf statistics otherwise (two-pass).
-GlobalStage = Literal["refuse", "whole", "per_leaf", "if_needed"]
+GlobalHandling = Literal["refuse", "tree", "per_leaf", "if_needed"]
 
 
 def make_plan(tx: optax.GradientTransformation, params, state,
-              global_stage: GlobalStage = "refuse") -> Plan:
+              global_handling: GlobalHandling = "refuse") -> Plan:
   """Traces ``tx.update`` for these params/state once and splits it per parameter leaf.
 
   Args:
     tx: any optax transformation.
     params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
     state: ``tx.init(params)`` or a state of the same structure.
-    global_stage: what to do with a global stage (see ``GlobalStage``).
+    global_handling: what to do with a global stage (see ``GlobalHandling``).
 
   Returns:
     The ``Plan``.
@@ -43,18 +43,18 @@ def make_plan(tx: optax.GradientTransformation, params, state,
     >>> make_plan(optax.adam(0.1), params, optax.adam(0.1).init(params)).is_separable
     True
     >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-    >>> make_plan(tx, params, tx.init(params), global_stage="if_needed").is_separable
+    >>> make_plan(tx, params, tx.init(params), global_handling="if_needed").is_separable
     False
   """
-  if global_stage not in ("refuse", "whole", "per_leaf", "if_needed"):
-    raise ValueError(f"unknown global_stage {global_stage!r}")
+  if global_handling not in ("refuse", "tree", "per_leaf", "if_needed"):
+    raise ValueError(f"unknown global_handling {global_handling!r}")
   traced = _separable.trace_update(tx, params, state)
-  if global_stage == "refuse":
+  if global_handling == "refuse":
     return _separable.make_plan(tx, params, state, traced)
-  if global_stage == "if_needed":
+  if global_handling == "if_needed":
     try:
       return _separable.make_plan(tx, params, state, traced)
     except NonSeparableError:
       pass
-  return _global_stage.make_global_plan(tx, params, state, two_pass=global_stage != "whole",
+  return _global_stage.make_global_plan(tx, params, state, two_pass=global_handling != "tree",
                                         traced=traced)

@@ -9,14 +9,14 @@ new_state``. Following data dependencies (never names), its outputs split into:
   computed once per step;
 * for a global transform only, the *global stage*: the values several groups read that depend
   on several gradients (the clipping factor, the all-finite flag: the *cuts*) and the state no
-  single leaf owns, with, for two-pass backward, the same stage as per-leaf *statistics* and a
-  *combine* step (``StatsPlan``).
+  single leaf owns, with, for two-pass backward, the same global stage as per-leaf *statistics*
+  and a *combine* step (``StatsPlan``).
 
 A separable transform (``_separable.make_plan``) has no global stage;
 ``_global_stage.make_global_plan`` finds it for the others. Either way the result is one
 ``Plan``, and every mode runs it with the same runners: a whole leaf (``run_group``), one row
-of a stacked leaf (``run_group_row``), the stage and the statistics, and one predicate says
-whether a leaf runs row by row (``row_refusal``).
+of a stacked leaf (``run_group_row``), the global stage and the statistics, and one predicate
+says whether a leaf runs row by row (``row_refusal``).
 """
 
 from __future__ import annotations

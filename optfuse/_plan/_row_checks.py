@@ -1,4 +1,5 @@
-"""Which leaves of a plan run row by row, whole in place, or staged: predicates from shapes alone.
+"""Which leaves of a plan run row by row, whole in place, or from their cut gradient: predicates
+from shapes alone.
 
 One test (``row_refusal``) decides for every mode whether a stacked leaf is updated row by row
 (backward loops, two-pass loops, forward loops, row updates before the loss); the others say
@@ -61,22 +62,22 @@ class RowChecks:
     return _in_place.in_place(g.jaxpr, g.reads, i, g.state_outs, len(self.consts),
                               self.num_params, self.num_state)
 
-  def gradient_stage(self, i: int) -> tuple[tuple[jcore.Jaxpr, tuple[bool, ...]],
-                                            LeafGroup] | None:
-    """Leaf ``i``'s update split at its clipped gradient (``_in_place.gradient_stage``):
+  def cut_gradient_split(self, i: int) -> tuple[tuple[jcore.Jaxpr, tuple[bool, ...]],
+                                                LeafGroup] | None:
+    """Leaf ``i``'s update split at its clipped gradient (``_in_place.cut_gradient_split``):
     ``((head, reads), tail)``, the tail a ``LeafGroup`` reading it in the gradient's place."""
     g = self.groups[i]
-    stage = _in_place.gradient_stage(g.jaxpr, g.reads, i, len(self.consts), self.num_params,
-                                     self.num_state)
-    return None if stage is None else (stage[0], LeafGroup(i, g.state_outs, *stage[1], True))
+    split = _in_place.cut_gradient_split(g.jaxpr, g.reads, i, len(self.consts),
+                                         self.num_params, self.num_state)
+    return None if split is None else (split[0], LeafGroup(i, g.state_outs, *split[1], True))
 
-  def staged_in_place(self, i: int) -> bool:
-    """Whether leaf ``i``'s update, once its clipped gradient is staged over the gradient's
-    buffer, runs whole in place (measured, that MLP with clipping: 10.27 MB staged, 11.64 MB
+  def in_place_from_cut_gradient(self, i: int) -> bool:
+    """Whether leaf ``i``'s update, once its cut (clipped) gradient is written over the
+    gradient's buffer, runs whole in place (measured, that MLP with clipping: 10.27 MB so, 11.64 MB
     whole, 10.40 MB row by row)."""
-    stage = self.gradient_stage(i)
-    return stage is not None and _in_place.in_place(
-        stage[1].jaxpr, stage[1].reads, i, stage[1].state_outs, len(self.consts),
+    split = self.cut_gradient_split(i)
+    return split is not None and _in_place.in_place(
+        split[1].jaxpr, split[1].reads, i, split[1].state_outs, len(self.consts),
         self.num_params, self.num_state)
 
   def min_rows(self, i: int) -> int:

@@ -48,10 +48,11 @@ class Runners:
     jaxpr, reads = slots_only(self.groups[i])
     return self._eval(jaxpr, reads, grads, state, params, cuts)
 
-  def run_staged(self, i: int, grad, state, params, cuts) -> tuple[Any, Any, list[Any]]:
-    """``(staged, update, new_slots)`` of leaf ``i``: its ``gradient_stage``'s head, then the
-    tail from it."""
-    (head, head_reads), tail = self.gradient_stage(i)
+  def run_from_cut_gradient(self, i: int, grad, state, params, cuts
+                            ) -> tuple[Any, Any, list[Any]]:
+    """``(cut_grad, update, new_slots)`` of leaf ``i``: its ``cut_gradient_split``'s head (the
+    cut gradient: the clipped one), then the tail from it."""
+    (head, head_reads), tail = self.cut_gradient_split(i)
     grads = [None] * self.num_params
     grads[i] = grad
     grads[i], = self._eval(head, head_reads, grads, state, params, cuts)
