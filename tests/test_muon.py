@@ -277,15 +277,19 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
 MUON_NUDGES = (1, -1, 2, -2, 3, -3, 4)
 LOW_BIT_CASES = [pytest.param(0, 8, id="axis0-8bit"),
                  pytest.param(1, 8, id="axis1-8bit", marks=pytest.mark.slow),
-                 pytest.param(0, 4, id="axis0-4bit", marks=pytest.mark.slow)]
-# With the layer axis at 1 XLA contracts the fused step differently: its 8-bit matrices leave
-# the tolerance, and their reference is too chaotic to judge them (measured here: the check
-# refuses it; another processor may round the two alike).
+                 pytest.param(0, 4, id="axis0-4bit")]
+# 8-bit Muon's reference is too chaotic for the capped spread check (its matrices' spread
+# reaches 1e-2 to 4.3e-2 of their movement): it judges a fused run only where the run stays
+# within the tolerance. With the layer axis at 0 it does at XLA's -O0 (the suite's level); with
+# the layer axis at 1, and at XLA's default level with either, XLA contracts the fused step
+# differently, its matrices leave the tolerance and the check refuses to judge them (measured
+# here; another processor may round the two alike). 4-bit Muon's spread is within the cap
+# (0.0025 of the movement): judged at both levels.
 UNJUDGED = pytest.mark.xfail(raises=models.SpreadTooWide, strict=False, reason=(
     "8-bit Muon's reference spread exceeds models.SPREAD_CAP on matrices the fused run does "
     "not match within the tolerance: the spread check cannot judge it"))
 TRAINS_LIKE_CASES = [pytest.param(*case.values, id=case.id,
-                                  marks=(*case.marks, *((UNJUDGED,) if case.id == "axis1-8bit"
+                                  marks=(*case.marks, *((UNJUDGED,) if case.id.endswith("8bit")
                                                         else ())))
                      for case in LOW_BIT_CASES]
 
@@ -366,7 +370,7 @@ def test_the_low_bit_muon_check_rejects_each_error_injected_into_the_backward_fu
 
 
 def test_offloaded_low_bit_muon_momentum_lives_on_the_host_and_trains_like_the_unfused_step():
-  tx = low_bit_muon()
+  tx = low_bit_muon(bits=4)  # 8 bits: too chaotic for the spread check (UNJUDGED)
   fx = optfuse.fuse(tx, mode="backward", offload="state")
   momentum = _momentum(fx.init(decoder_params()))["layers"]
   assert {x.sharding.memory_kind for name in DIMS for x in momentum[name]} == {"pinned_host"}
