@@ -170,7 +170,11 @@ def _assert_trains_like_optax(form, mode):
 
 
 @pytest.mark.jax_upgrades
-@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("form", [
+    # describe traces the step itself, which JAX 0.10's jax_custom_vjp3 cannot transpose when
+    # the fused scan sits inside jax.checkpoint (as the step's own test below, xfailed alike).
+    pytest.param(form, marks=models.CUSTOM_VJP3_REMAT_BUG) if form == "outer_remat" else form
+    for form in sorted(FORMS)])
 def test_every_stacked_leaf_of_the_form_is_updated_in_the_loop(form):
   params, loss, batch, _ = FORMS[form](TINY)
   where = optfuse.describe(optax.adamw(1e-2), loss, params, *batch)
