@@ -1,10 +1,11 @@
 """Stores the quick-start notebook's outputs for the docs: ``python docs/store_quickstart.py``.
 
-``examples/quickstart.ipynb`` is kept without outputs (``tests/test_notebook.py`` executes it);
-the docs render ``docs/quickstart.ipynb``, the same cells with their outputs, without running
+``examples/quickstart.ipynb`` is kept without outputs (``tests/project/test_notebook.py`` executes
+it); the docs render ``docs/quickstart.ipynb``, the same cells with their outputs, without running
 anything (``nb_execution_mode = "off"``). Run this after editing the example: it executes the
 example in a fresh kernel, from ``examples/`` as a reader would (about 3 minutes on two CPU
-cores), and writes the result. ``tests/test_docs.py`` checks that the two notebooks' cells agree.
+cores), and writes the result. ``tests/project/test_docs.py`` checks that the two notebooks' cells
+agree.
 """
 
 import os

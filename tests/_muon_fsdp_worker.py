@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optfuse  # noqa: E402
 from tests import models  # noqa: E402
-from tests import test_muon as m  # noqa: E402
+from tests.engines import test_muon as m  # noqa: E402
 
 DEVICES = 8
 

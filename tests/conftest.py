@@ -20,10 +20,10 @@ os.environ.setdefault("OPTFUSE_RAISE_ROW_RULE_ERRORS", "1")
 # The tests check that fused and unfused steps compute the same thing and hold the same buffers,
 # never how fast the code runs: LLVM's optimisation level changes neither the HLO nor XLA's
 # buffer assignment (``memory_analysis()``), and without it XLA:CPU compiles about a third
-# faster (``tests/test_model_forms.py`` and ``tests/test_forward.py``: 202 s -> 131 s). The
-# benchmark's figures never come from the tests. Users run XLA's default level, whose code may
-# round differently: ``OPTFUSE_TESTS_XLA_DEFAULT_OPT=1`` leaves XLA_FLAGS alone, and CI runs the
-# equivalence tests so (``.ci/run``).
+# faster (``tests/fusion/test_model_forms.py`` and ``tests/engines/test_forward.py``: 202 s ->
+# 131 s). The benchmark's figures never come from the tests. Users run XLA's default level, whose
+# code may round differently: ``OPTFUSE_TESTS_XLA_DEFAULT_OPT=1`` leaves XLA_FLAGS alone, and CI
+# runs the equivalence tests so (``.ci/run``).
 if (os.environ.get("OPTFUSE_TESTS_XLA_DEFAULT_OPT") != "1"
     and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

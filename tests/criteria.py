@@ -3,7 +3,7 @@
 A fused run ``got`` and its reference ``want`` are trees of the same structure (losses, params,
 optimizer state); each criterion has a distance in units of its tolerance, so a run passes when
 that distance is at most 1, and the distance of a wrong update says how far beyond the
-tolerance the criterion puts it (``tests/test_fault_rejection.py`` injects such errors,
+tolerance the criterion puts it (``tests/end_to_end/test_fault_rejection.py`` injects such errors,
 ``python -m tests.margins`` prints the table):
 
 - ``assert_matches_optax``: every element within ``atol + rtol * |want|`` (``np.allclose``'s

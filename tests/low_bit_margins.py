@@ -33,8 +33,8 @@ import numpy as np  # noqa: E402
 
 import optfuse  # noqa: E402
 from tests import models  # noqa: E402
-from tests import test_low_bit_fusion as fusion  # noqa: E402
-from tests import test_muon as muon  # noqa: E402
+from tests.engines import test_muon as muon  # noqa: E402
+from tests.low_bit import test_low_bit_fusion as fusion  # noqa: E402
 
 FAULTS = ("lr_1pct_off", "count_frozen", "row_skipped")
 

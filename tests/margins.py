@@ -1,11 +1,11 @@
 """The margins of the equivalence criteria: ``python -m tests.margins``.
 
-For each criterion of ``tests/test_fault_rejection.py`` (and FSDP on eight simulated devices,
-from ``tests/_sharding_worker.py``), prints the criterion's distance in units of its tolerance
-for the passing fused run (at most 1 passes) and for the fused run of each injected error
+For each criterion of ``tests/end_to_end/test_fault_rejection.py`` (and FSDP on eight simulated
+devices, from ``tests/_sharding_worker.py``), prints the criterion's distance in units of its
+tolerance for the passing fused run (at most 1 passes) and for the fused run of each injected error
 (``tests/faults.py``); then the widest passing distance over the optimizers of
-``tests/test_backward_equivalence.py`` and ``tests/test_forward.py``. The tests run at
-``--xla_backend_optimization_level=0`` (``tests/conftest.py``); set ``XLA_FLAGS`` to measure at
+``tests/engines/test_backward_equivalence.py`` and ``tests/engines/test_forward.py``. The tests run
+at ``--xla_backend_optimization_level=0`` (``tests/conftest.py``); set ``XLA_FLAGS`` to measure at
 that level, leave it unset for XLA's default.
 """
 
@@ -19,15 +19,9 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import optfuse  # noqa: E402
-from tests import (  # noqa: E402
-    criteria,
-    faults,
-    models,
-    test_backward_equivalence,
-    test_fault_rejection,
-    test_forward,
-    test_sharding,
-)
+from tests import criteria, faults, models  # noqa: E402
+from tests.end_to_end import test_fault_rejection  # noqa: E402
+from tests.engines import test_backward_equivalence, test_forward, test_sharding  # noqa: E402
 
 COLUMNS = ("passing", *faults.faults(lambda path: True))
 

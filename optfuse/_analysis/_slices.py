@@ -9,8 +9,8 @@ fits answers, with the largest batch per chip there. Everything is compile-only.
 A slice that does not fit costs one compile (one example per chip), the slice that fits about
 four (``max_batch_size``'s search). A single chip is both layouts, so its searches serve both;
 data parallel stops at its first slice that does not fit, since every chip holds the whole
-model and state and one example whatever the slice (tests/test_slices.py checks that a larger
-slice's peak per chip is no lower).
+model and state and one example whatever the slice (tests/analysis/test_slices.py checks that a
+larger slice's peak per chip is no lower).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ entry there. This is the only module that touches ``jax._src``, and the one plac
 JAX versions differ in the equations they stage (docs/limits.md, "JAX versions"): every other
 module asks ``primitive_of`` which rules apply to an equation, and ``scan_parts``,
 ``while_parts``, ``cond_branches``, ``call_body`` and ``inner_jaxprs`` for its counts and bodies
-(``tests/test_architecture.py`` checks that no other module reads those params).
+(``tests/project/test_architecture.py`` checks that no other module reads those params).
 """
 
 from __future__ import annotations

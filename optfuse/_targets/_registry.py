@@ -64,7 +64,8 @@ class TargetSpec(NamedTuple):
 
 
 # TPU HBM limits: the "available HBM" of libtpu 0.0.42's compile-time out-of-memory error, for a
-# program too large for every chip (tests/test_targets.py checks each against the compiler).
+# program too large for every chip (tests/analysis/test_targets.py checks each against the
+# compiler).
 SPECS: dict[str, TargetSpec] = {
     "tpu-v5e": TargetSpec("tpu", "v5e", "1x1", int(15.75 * GiB),
                           "TPU v5e (v5 lite; Colab's TPU v5e-1): 16 GiB HBM per chip"),

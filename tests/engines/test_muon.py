@@ -253,7 +253,7 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
   """The worker checks ``describe`` and the 20 steps on the mesh (the device count is fixed when
   JAX starts, hence the subprocess; the XLA flags of this process travel with it)."""
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  proc = subprocess.run([sys.executable, str(Path(__file__).parent / "_muon_fsdp_worker.py")],
+  proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "_muon_fsdp_worker.py")],
                         env=dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -264,8 +264,8 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
 # quantize, the Newton-Schulz iterations and the dequantize run on one layer's matrix in its loop
 # iteration. A low-bit trajectory is chaotic (a flipped code moves a weight by a fraction of a
 # step): the fused run is judged against the spread of the unfused low-bit runs started an ulp
-# or two apart (models.assert_same_low_bit_trajectory), as tests/test_low_bit_fusion.py does,
-# from eight starts instead of four: Muon orthogonalises the whole matrix, so one flipped code
+# or two apart (models.assert_same_low_bit_trajectory), as tests/low_bit/test_low_bit_fusion.py
+# does, from eight starts instead of four: Muon orthogonalises the whole matrix, so one flipped code
 # moves every element of a layer's matrix and the distances between runs are heavy-tailed. Four
 # starts' widest pair can fall below a fused run's distance (measured for the head at
 # --xla_backend_optimization_level=0: 1.4e-5 from four starts, 1.6e-4 from eight, the fused run

@@ -12,7 +12,7 @@ import nbclient
 import nbformat
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "examples" / "quickstart.ipynb"
 
 # 30 float32 AdamW steps of the same operations in different XLA fusions, on losses from about 6

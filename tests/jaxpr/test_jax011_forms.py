@@ -19,7 +19,8 @@ from jax import lax
 
 import optfuse
 from optfuse._jaxpr import _interpreter, _rows
-from tests import _jax011, models, test_muon
+from tests import _jax011, models
+from tests.engines import test_muon
 
 pytestmark = pytest.mark.jax_upgrades
 
@@ -102,8 +103,8 @@ def test_describe_puts_every_stacked_muon_matrix_in_its_loop(jax011):
 
 
 # Float32, 3 steps, compared with optax's own update (no stand-in): the same tolerances as the
-# Muon equivalence tests of ``tests/test_muon.py`` over 20 steps. Backward mode is the case the
-# default suite runs (about 12 s on one CPU core); forward and two-pass run with ``-m slow``.
+# Muon equivalence tests of ``tests/engines/test_muon.py`` over 20 steps. Backward mode is the case
+# the default suite runs (about 12 s on one CPU core); forward and two-pass run with ``-m slow``.
 @pytest.mark.equivalence
 @pytest.mark.parametrize("options", [
     dict(mode="backward"),

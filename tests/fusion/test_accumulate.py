@@ -10,7 +10,7 @@ import pytest
 import optfuse
 from optfuse.bench import _models
 from tests import criteria, models
-from tests.test_loops import _init, scan_loss
+from tests.fusion.test_loops import _init, scan_loss
 
 # float32 over 20 steps; the fused step divides the partial sums by k before adding them (optax
 # adds, then divides), a difference of one rounding per step.

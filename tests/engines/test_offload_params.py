@@ -29,8 +29,8 @@ from tests import models
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
-# The tolerances of tests/test_offload.py (offload="state"): moving a row to the host and back
-# is exact, so the only differences are XLA's own reassociations of the fused program.
+# The tolerances of tests/engines/test_offload.py (offload="state"): moving a row to the host and
+# back is exact, so the only differences are XLA's own reassociations of the fused program.
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 STEPS = 20
@@ -155,8 +155,8 @@ def test_real_codebase_scan_forms_train_like_optax_with_streamed_params(form, mo
     {("muon", "backward")}))
 def test_low_bit_state_and_muon_stream_their_params_like_the_state_only_offload(which, mode):
   # The reference is the same step with offload="state" (tested against optax in
-  # tests/test_offload.py, tests/test_low_bit.py and tests/test_muon.py): streaming the params
-  # changes where their rows are read and written, not the update.
+  # tests/engines/test_offload.py, tests/low_bit/test_low_bit.py and tests/engines/test_muon.py):
+  # streaming the params changes where their rows are read and written, not the update.
   params, batches, loss = _scanned()
   tx = (optfuse.low_bit(optax.adamw(1e-2), bits=8) if which == "low_bit" else
         optax.contrib.muon(1e-2, muon_weight_dimension_numbers=optfuse.stacked_muon_dims))
@@ -280,7 +280,7 @@ def test_sharded_streamed_params_train_like_optax_on_the_same_mesh(layout, shard
 def sharded_runs(tmp_path_factory):
   """``(report, arrays)`` of one run of ``_params_sharding_worker.py`` on eight CPU devices."""
   out = tmp_path_factory.mktemp("sharded")
-  root = pathlib.Path(__file__).resolve().parent.parent
+  root = pathlib.Path(__file__).resolve().parents[2]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
   proc = subprocess.run([sys.executable, str(root / "tests" / "_params_sharding_worker.py"),

@@ -21,10 +21,10 @@ import pytest
 
 import optfuse
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 import _multiprocess_worker as worker  # noqa: E402
 
-WORKER = Path(__file__).parent / "_multiprocess_worker.py"
+WORKER = Path(__file__).parents[1] / "_multiprocess_worker.py"
 STEPS = 8
 TIMEOUT_S = 240
 

@@ -26,12 +26,12 @@ import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 import _sharding_worker as worker  # noqa: E402
 
 from tests import criteria  # noqa: E402
 
-WORKER = Path(__file__).parent / "_sharding_worker.py"
+WORKER = Path(__file__).parents[1] / "_sharding_worker.py"
 STEPS = 50
 DEFAULT_CONFIGS = ("fsdp/scan/auto", "data_parallel/mlp/explicit")
 SLOW_CONFIGS = tuple(c for c in worker.ALL_CONFIGS if c not in DEFAULT_CONFIGS)
@@ -114,7 +114,7 @@ def test_fused_on_eight_devices_matches_optax_on_eight_and_on_one(config, impl, 
 
 @pytest.mark.parametrize("fault", worker.FAULTED)
 def test_fsdp_criterion_rejects_an_error_injected_into_the_fused_step_only(fault, eight_devices):
-  # tests/test_fault_rejection.py does the same for the criteria of one device.
+  # tests/end_to_end/test_fault_rejection.py does the same for the criteria of one device.
   report, arrays = eight_devices(FAULT_CONFIG)
   _impl(report, fault)
   got, want = _only(arrays, fault), _only(arrays, "optax")
@@ -145,7 +145,7 @@ def test_fused_step_all_gathers_nothing_optax_does_not(config, impl, eight_devic
 def test_data_parallel_example_runs_fsdp_on_eight_simulated_devices():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets it itself
   env["JAX_PLATFORMS"] = "cpu"
-  example = Path(__file__).parent.parent / "examples" / "data_parallel.py"
+  example = Path(__file__).parents[2] / "examples" / "data_parallel.py"
   proc = subprocess.run([sys.executable, str(example), "--steps", "5", "--layout", "fsdp"],
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,8 +1,8 @@
 """The parameter rules of row evaluation on their own (``optfuse._jaxpr._row_params``): for an
 equation traced on stacked values and the stacked axis of each operand, the params it runs with
 on rows, how a whole operand is sliced, and where the stacked axis of its output is; or
-``NotRowwise`` where rows would mix. ``tests/test_row_rules.py`` checks the same rules by their
-results, a row against the row of the whole evaluation."""
+``NotRowwise`` where rows would mix. ``tests/jaxpr/test_row_rules.py`` checks the same rules by
+their results, a row against the row of the whole evaluation."""
 
 import jax
 import jax.numpy as jnp

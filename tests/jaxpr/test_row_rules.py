@@ -25,8 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 import optfuse
 from optfuse._jaxpr import _rows
-from tests import test_backward_equivalence, test_low_bit_fusion
-from tests.test_loops import _batch, _init, scan_loss
+from tests.engines import test_backward_equivalence
+from tests.fusion.test_loops import _batch, _init, scan_loss
+from tests.low_bit import test_low_bit_fusion
 
 L = 4
 _MESH = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))

@@ -145,7 +145,8 @@ def _run_fit(budget, out):
   return code, json.loads((out / "fit.json").read_text()), stdout.getvalue()
 
 
-# With ``-m slow``: ``tests/test_fit.py`` checks the search by default, this its command line.
+# With ``-m slow``: ``tests/analysis/test_fit.py`` checks the search by default, this its command
+# line.
 @pytest.mark.slow
 def test_fit_prints_the_largest_batch_per_mode_and_the_tokens_it_allows(tmp_path):
   # Under every mode's peak at batch 1: nothing fits, and each mode compiles once.

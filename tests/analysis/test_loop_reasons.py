@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import optfuse
-from tests.test_loops import _batch, _init, _layer, scan_loss, two_scans_loss
+from tests.fusion.test_loops import _batch, _init, _layer, scan_loss, two_scans_loss
 
 
 def _scan(p, x, layers=None):

@@ -20,7 +20,8 @@ import optax
 import pytest
 
 import optfuse
-from tests import criteria, faults, models, test_accumulate, test_loops
+from tests import criteria, faults, models
+from tests.fusion import test_accumulate, test_loops
 
 pytestmark = pytest.mark.equivalence
 

@@ -19,7 +19,7 @@ from optax.contrib import MuonDimensionNumbers as Dims
 
 import optfuse
 from tests import models
-from tests import test_muon as decoder
+from tests.engines import test_muon as decoder
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 # A few float32 steps of the same operations in different XLA fusions: a few ulps.
 TOL = 1e-5
@@ -89,7 +89,7 @@ def test_low_bit_memory_link_bytes_drop_with_the_state_bits_and_the_clip_table_i
   assert clip[-1]["host_bytes"] == 0 < clip[-1]["link_bytes"]  # XLA:CPU: host is device memory
 
 
-# With ``-m slow``: ``tests/test_penzai.py`` trains the same model against optax by default.
+# With ``-m slow``: ``tests/fusion/test_penzai.py`` trains the same model against optax by default.
 @pytest.mark.slow
 def test_penzai_layer_stack_trains_like_optax_with_and_without_the_guard():
   pytest.importorskip("penzai")
@@ -97,7 +97,7 @@ def test_penzai_layer_stack_trains_like_optax_with_and_without_the_guard():
   assert all(diff < TOL for diff in example.train_check(steps=3).values())
 
 
-# With ``-m slow`` (about a minute of compiles): ``tests/test_low_bit*.py`` check the
+# With ``-m slow`` (about a minute of compiles): ``tests/low_bit/test_low_bit*.py`` check the
 # transformation itself by default.
 @pytest.mark.slow
 def test_low_bit_quality_study_reports_every_variant_and_writes_its_plot(tmp_path):

@@ -17,7 +17,7 @@ from jax.interpreters import ad, mlir
 
 import optfuse
 from tests import models
-from tests.test_loops import _batch, _init, _layer
+from tests.fusion.test_loops import _batch, _init, _layer
 
 _UNKNOWN = jcore.Primitive("optfuse_test_unknown")
 _UNKNOWN.def_impl(lambda x: 2 * x)
@@ -26,7 +26,7 @@ mlir.register_lowering(_UNKNOWN, mlir.lower_fun(lambda x: 2 * x, multiple_result
 ad.deflinear2(_UNKNOWN, lambda ct, x: [_UNKNOWN.bind(ct)])
 
 # The update runs whole after the loop, as optax runs it, and the loss is the same function:
-# only XLA's fusion of the compiled step differs (a few ulps per step; tests/test_loops.py).
+# only XLA's fusion of the compiled step differs (a few ulps per step; tests/fusion/test_loops.py).
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 

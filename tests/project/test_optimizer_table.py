@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 import optfuse
-from tests import models, test_backward_equivalence
+from tests import models
+from tests.engines import test_backward_equivalence
 
-PAGE = Path(__file__).parent.parent / "docs" / "modes.md"
+PAGE = Path(__file__).parents[2] / "docs" / "modes.md"
 
 # Every optimizer of the table's elementwise row, as the row names it: the transformations
 # test_backward_equivalence trains against optax (sgd with momentum, the row's "sgd" with state).

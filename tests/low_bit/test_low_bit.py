@@ -164,7 +164,7 @@ def test_min_size_zero_quantizes_every_float_slot_but_scalars():
 def test_hyperparameters_in_the_state_are_kept_as_they_are_at_any_size():
   """An array hyperparameter shaped like a param (here a per-column learning rate) would pass
   the shape check: the default slot map keeps it, as it keeps Muon's ``ns_coeffs``
-  (tests/test_muon.py)."""
+  (tests/engines/test_muon.py)."""
   params = {"w": jnp.ones((3, 5)), "b": jnp.ones((5,))}
   rate = jnp.linspace(1e-3, 1e-2, 5)
   tx = optax.inject_hyperparams(optax.sgd)(learning_rate=rate, momentum=0.9)

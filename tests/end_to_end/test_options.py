@@ -25,7 +25,7 @@ from tests import models
 # makes it a global transform for two-pass, and for forward and off mode, which run it as is.
 LION = optax.lion(1e-3)
 CLIP_LION = optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-3))
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 
 FIELDS = ("mode", "global_ops", "offload", "guard", "microbatches")
 # Every combination of the values each option accepts, runnable or not, and values no option

@@ -6,7 +6,7 @@ offers: the call-like equations of ``jax.jit``, ``jax.checkpoint``, ``jax.custom
 later release turns on; primitives found by object, never by a name that a release may change;
 JAX 0.11's ``xla_metadata_call``, the real one or one made to stand in for it; the runtime
 error class under each of its names. JAX 0.11's scans (``ft_in``) and bodies (a ``Jaxpr``
-carrying its consts) go through every walker in ``tests/test_jax011_forms.py``. The suite's
+carrying its consts) go through every walker in ``tests/jaxpr/test_jax011_forms.py``. The suite's
 ``jax_upgrades`` subset runs whole trainings under each flag (``JAX_REMAT3=1 python -m pytest -m
 "jax_upgrades and not slow"``).
 """
@@ -29,8 +29,8 @@ from optfuse._jaxpr import _interpreter
 
 pytestmark = pytest.mark.jax_upgrades
 
-ROOT = Path(__file__).parent.parent
-WORKER = Path(__file__).parent / "_xla_metadata_worker.py"
+ROOT = Path(__file__).parents[2]
+WORKER = Path(__file__).parents[1] / "_xla_metadata_worker.py"
 
 
 @pytest.fixture(params=[None, "jax_remat3", "jax_custom_vjp3"])

@@ -10,7 +10,7 @@ from jax.extend.core import primitives as P
 
 import optfuse
 from optfuse._jaxpr import _row_params, _rows
-from tests.test_loops import _assert_matches_optax, _batch, _init, scan_loss
+from tests.fusion.test_loops import _assert_matches_optax, _batch, _init, scan_loss
 
 STACKED = "['layers']['w']"
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 PAGE_SUFFIXES = (".md", ".ipynb")
 
@@ -94,8 +94,8 @@ def _cells(path: pathlib.Path) -> list[tuple[str, str]]:
 
 def test_the_rendered_notebook_is_the_examples_notebook_with_its_outputs():
   # The docs render docs/quickstart.ipynb from its stored outputs (nb_execution_mode "off");
-  # examples/quickstart.ipynb is kept without outputs (tests/test_notebook.py). After editing the
-  # example, store its outputs again: python docs/store_quickstart.py.
+  # examples/quickstart.ipynb is kept without outputs (tests/project/test_notebook.py). After
+  # editing the example, store its outputs again: python docs/store_quickstart.py.
   rendered = DOCS / "quickstart.ipynb"
   assert _cells(rendered) == _cells(REPO / "examples" / "quickstart.ipynb")
   code = [cell for cell in json.loads(rendered.read_text())["cells"]
