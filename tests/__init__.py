@@ -13,5 +13,6 @@
 
 Beside them: ``conftest.py``, the shared models (``models.py``), the equivalence criteria
 (``criteria.py``), the injected faults (``faults.py``), the margin reports (``margins.py``,
-``low_bit_margins.py``) and the scripts the multi-device tests start (``_*_worker.py``).
+``low_bit_margins.py``), the scripts the multi-device tests start (``_*_worker.py``) and their
+environment (``_subprocess.py``).
 """

@@ -9,7 +9,6 @@ and its step count must agree.
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import sys
 
@@ -23,6 +22,7 @@ from flax import nnx
 
 import optfuse
 import optfuse.nnx
+from tests._subprocess import checkout_env
 
 STEPS = 50
 
@@ -282,8 +282,7 @@ print("ok")
 
 def test_sharding_annotations_are_kept_on_a_two_device_mesh():
   # Two host devices need XLA_FLAGS before jax starts, hence a fresh interpreter.
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         "JAX_PLATFORMS": "cpu"}
+  env = checkout_env(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]

@@ -9,7 +9,6 @@ steps run here in a single process on one device. Slow: one cluster run costs ab
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import optfuse
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import _multiprocess_worker as worker  # noqa: E402
+
+from tests._subprocess import checkout_env  # noqa: E402
 
 WORKER = Path(__file__).parents[1] / "_multiprocess_worker.py"
 STEPS = 8
@@ -40,7 +41,7 @@ MODES = ("backward", "forward", "off")
 
 def _run_cluster(out: Path, num_processes: int = 2, local_devices: int = 2) -> None:
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = checkout_env(drop=("XLA_FLAGS", "JAX_PLATFORMS"))
   procs = [subprocess.Popen(
       [sys.executable, str(WORKER), str(pid), str(num_processes), str(port), str(local_devices),
        ",".join(MODES), str(STEPS), str(out)],

@@ -31,6 +31,7 @@ from optax.contrib import MuonDimensionNumbers as Dims
 import optfuse
 from optfuse._jaxpr import _rows
 from tests import faults, models
+from tests._subprocess import checkout_env
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
@@ -254,7 +255,7 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
   JAX starts, hence the subprocess; the XLA flags of this process travel with it)."""
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "_muon_fsdp_worker.py")],
-                        env=dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
+                        env=checkout_env(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 

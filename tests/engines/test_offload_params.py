@@ -10,7 +10,6 @@ which counts host memory apart from device memory, are marked ``targets``.
 
 import collections
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import optfuse
 from optfuse._targets import _registry
 from optfuse.bench import _forms, _models
 from tests import models
+from tests._subprocess import checkout_env
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
@@ -281,8 +281,7 @@ def sharded_runs(tmp_path_factory):
   """``(report, arrays)`` of one run of ``_params_sharding_worker.py`` on eight CPU devices."""
   out = tmp_path_factory.mktemp("sharded")
   root = pathlib.Path(__file__).resolve().parents[2]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+  env = checkout_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, str(root / "tests" / "_params_sharding_worker.py"),
                          str(out)], env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout + proc.stderr

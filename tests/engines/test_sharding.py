@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import _sharding_worker as worker  # noqa: E402
 
 from tests import criteria  # noqa: E402
+from tests._subprocess import checkout_env  # noqa: E402
 
 WORKER = Path(__file__).parents[1] / "_sharding_worker.py"
 STEPS = 50
@@ -43,8 +43,7 @@ FAULT_CONFIG = "fsdp/scan/auto"
 
 
 def _run_worker(configs: tuple[str, ...], out: Path) -> tuple[dict, dict]:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = checkout_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, str(WORKER), str(out), "--configs", ",".join(configs),
        "--steps", str(STEPS), "--faults", FAULT_CONFIG],
@@ -143,8 +142,7 @@ def test_fused_step_all_gathers_nothing_optax_does_not(config, impl, eight_devic
 
 @pytest.mark.slow  # a fresh interpreter, two trainings and their compiles: about 12 s of CPU
 def test_data_parallel_example_runs_fsdp_on_eight_simulated_devices():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets it itself
-  env["JAX_PLATFORMS"] = "cpu"
+  env = checkout_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu")  # the example sets XLA_FLAGS
   example = Path(__file__).parents[2] / "examples" / "data_parallel.py"
   proc = subprocess.run([sys.executable, str(example), "--steps", "5", "--layout", "fsdp"],
                         env=env, capture_output=True, text=True, timeout=600)
