@@ -211,3 +211,17 @@ def test_version_specific_forms_are_read_in_the_interpreter_only(module):
   assert not found, (f"{module} reads forms that differ between JAX versions: {found}; ask "
                      f"{INTERPRETER} (primitive_of, scan_parts, while_parts, cond_branches, "
                      "call_body, inner_jaxprs, bind)")
+
+
+# The engines that wrap a mode's engine (the memory guard, offload), stacked around it by
+# ``_fuse.make_engine``. A wrapper imports what it wraps and no module of the engines layer
+# imports a wrapper: a mode's engine knows nothing of the wrappers, and a loss followed through
+# a mode's step meets none of them.
+ENGINE_WRAPPERS = frozenset({"_engines._guard", "_engines._offload"})
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if _unit(m) == "_engines"])
+def test_no_engine_imports_a_wrapper_stacked_around_it(module):
+  wrappers = (_optfuse_imports(_tree(module)) & ENGINE_WRAPPERS) - {module}
+  assert not wrappers, (f"{module} imports {sorted(wrappers)}: a wrapper is stacked around a "
+                        "mode's engine by _fuse.make_engine, not called from inside one")
