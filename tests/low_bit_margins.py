@@ -9,9 +9,10 @@ Usage::
 
 It runs the tests' own cases with the tests' own criteria, under the suite's XLA settings
 (tests/conftest.py: the CPU, ``--xla_backend_optimization_level=0`` unless XLA_FLAGS sets a
-level). For the spread check (tests/models.py) a distance is in units of the width accepted
-(the check passes a leaf below 1), the largest over the losses and the params leaves; "tol" where
-every leaf is within LOW_BIT_TOL of the reference. "width" is the widest accepted width over the
+level or ``OPTFUSE_TESTS_XLA_DEFAULT_OPT=1`` asks for XLA's default level, as CI's run does).
+For the spread check (tests/models.py) a distance is in units of the width accepted (the check
+passes a leaf below 1), the largest over the losses and the params leaves; "tol" where every
+leaf is within LOW_BIT_TOL of the reference. "width" is the widest accepted width over the
 leaves as a fraction of how far the reference moved that leaf, against the cap SPREAD_CAP. For
 8-bit Muon, judged one step at a time (tests/criteria.py, ``assert_each_step_matches``), a
 distance is in units of that check's tolerance (the largest over the steps, the losses, the
@@ -29,7 +30,8 @@ import os
 from collections.abc import Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if (os.environ.get("OPTFUSE_TESTS_XLA_DEFAULT_OPT") != "1"
+    and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
 

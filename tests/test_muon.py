@@ -274,7 +274,10 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
 # step from the unfused run's own params and state, against that run's step
 # (criteria.assert_each_step_matches).
 MUON_NUDGES = (1, -1, 2, -2, 3, -3, 4)
-ONE_STEP_CASES = [pytest.param(0, id="axis0"), pytest.param(1, id="axis1", marks=pytest.mark.slow)]
+# (layer axis, microbatches): the 2 microbatches against the hand-written optax loop.
+ONE_STEP_CASES = [pytest.param(0, 1, id="axis0"),
+                  pytest.param(1, 1, id="axis1", marks=pytest.mark.slow),
+                  pytest.param(0, 2, id="axis0-2-microbatches", marks=pytest.mark.slow)]
 
 
 def low_bit_muon(layer_axis: int = 0, bits: int = 8, fault=lambda tx: tx
@@ -379,21 +382,22 @@ def fused_steps(tx: optax.GradientTransformation, layer_axis: int = 0, microbatc
   return models.steps_from(step, one_step_reference(layer_axis, microbatches)[0], _batches())
 
 
-@pytest.mark.parametrize("layer_axis", ONE_STEP_CASES)
-def test_each_backward_fused_step_of_8bit_muon_lands_where_the_unfused_step_lands(layer_axis):
-  starts, want, widths = one_step_reference(layer_axis)
-  criteria.assert_each_step_matches(fused_steps(low_bit_muon(layer_axis), layer_axis), want,
-                                    starts, widths, bits=8)
+@pytest.mark.parametrize("layer_axis,microbatches", ONE_STEP_CASES)
+def test_each_backward_fused_step_of_8bit_muon_lands_where_the_optax_step_lands(layer_axis,
+                                                                                microbatches):
+  starts, want, widths = one_step_reference(layer_axis, microbatches)
+  got = fused_steps(low_bit_muon(layer_axis), layer_axis, microbatches)
+  criteria.assert_each_step_matches(got, want, starts, widths, bits=8)
 
 
-@pytest.mark.parametrize("layer_axis", ONE_STEP_CASES)
+@pytest.mark.parametrize("layer_axis,microbatches", ONE_STEP_CASES)
 def test_the_one_step_check_rejects_each_error_injected_into_the_backward_fused_8bit_muon(
-    layer_axis):
+    layer_axis, microbatches):
   """A learning rate 1 % off and a skipped row move the step's update, a frozen count leaves
   the new state's count behind: each at least criteria.REJECTED_BY times the tolerance."""
-  starts, want, widths = one_step_reference(layer_axis)
+  starts, want, widths = one_step_reference(layer_axis, microbatches)
   for name, fault in muon_faults(layer_axis).items():
-    got = fused_steps(low_bit_muon(layer_axis, fault=fault), layer_axis)
+    got = fused_steps(low_bit_muon(layer_axis, fault=fault), layer_axis, microbatches)
     with pytest.raises(AssertionError):
       criteria.assert_each_step_matches(got, want, starts, widths, bits=8)
     distance, where = criteria.one_step_distance(got, want, starts, widths, bits=8)
@@ -410,8 +414,3 @@ def test_offloaded_low_bit_muon_momentum_lives_on_the_host_and_trains_like_the_u
                                         nudges=MUON_NUDGES)
 
 
-@pytest.mark.slow
-def test_each_step_of_8bit_muon_with_microbatches_lands_where_the_optax_loop_lands():
-  starts, want, widths = one_step_reference(microbatches=2)
-  criteria.assert_each_step_matches(fused_steps(low_bit_muon(), microbatches=2), want, starts,
-                                    widths, bits=8)
