@@ -14,6 +14,7 @@ from optfuse._base._options import FuseOptions
 from optfuse._engines._backward import BackwardEngine
 from optfuse._engines._engine import Engine, PlacedStep, Step, without_placements
 from optfuse._engines._forward import ForwardEngine
+from optfuse._engines._guard import GuardedEngine
 from optfuse._engines._offload import OffloadEngine, with_params_placed
 from optfuse._engines._two_pass import TwoPassEngine
 from optfuse._engines._unfused import OffEngine
@@ -79,9 +80,11 @@ ENGINE_OF = {("backward", "two_pass"): "two_pass"}
 
 
 def make_engine(tx: optax.GradientTransformation, options: FuseOptions) -> Engine:
-  """The engine that runs ``tx`` with ``options``: the mode's, in host memory with
-  ``offload``."""
+  """The engine that runs ``tx`` with ``options``: the mode's, behind the memory guard with
+  ``guard``, in host memory with ``offload``."""
   engine = ENGINES[ENGINE_OF.get((options.mode, options.global_ops), options.mode)](tx, options)
+  if options.guard:
+    engine = GuardedEngine(engine)
   return engine if options.offload is None else OffloadEngine(engine)
 
 

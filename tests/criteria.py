@@ -13,6 +13,13 @@ tolerance the criterion puts it (``tests/end_to_end/test_fault_rejection.py`` in
   dtype (integer leaves equal). Used for bfloat16, whose trajectory is deterministic: the fused
   step runs the same bfloat16 operations in the same order as optax.
 
+- ``assert_each_step_matches``: one step at a time from the reference's own states, for a
+  low-bit trajectory too chaotic for the spread check (8-bit Muon): at every step ``t`` the
+  fused step starts from the reference's params and state before its step ``t`` and must land
+  where the reference's step landed. Each step's error starts afresh, so it cannot compound;
+  the tolerance of each params leaf is measured (the reference's own step from starts an ulp or
+  two away), and a flipped code of the low-bit state is one quantization step.
+
 The low-bit spread criterion, for chaotic trajectories, is
 ``models.assert_same_low_bit_trajectory``.
 """
@@ -21,12 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import optfuse
+from optfuse._low_bit import _blocks
+from tests.faults import LR_ERROR
 
 # float32: the fused step runs the same update operations on the same gradients, but inside the
 # backward pass (or the next forward pass), where XLA fuses and orders them differently than
@@ -48,6 +59,11 @@ BF16_ULPS = 1
 # update is far outside what passes, not at its edge (the measured distances are hundreds of
 # times and more: ``python -m tests.margins``).
 REJECTED_BY = 10.0
+
+
+class SpreadTooWide(AssertionError):
+  """The reference is too chaotic for a check to judge a run: the spread check's width exceeds
+  ``models.SPREAD_CAP``, or the one-step check's ``STEP_WIDTH_CAP``."""
 
 
 def _paths(tree) -> list[str]:
@@ -172,3 +188,127 @@ def margins(criterion: Criterion, faults: Mapping[str, Callable]
     got = criterion.fused(fault(criterion.tx()))
     out[name] = (criterion.distance(got, want)[0], criterion.distance(got[:2], want[:2])[0])
   return out
+
+
+# One step at a time. The reference's run is taken apart into its steps: ``starts[t]``, the
+# params and state before step ``t``, and ``want``, ``(losses, params after each step, state
+# after each step)`` (``models.reference_steps``); a fused run ``got`` is the fused step from
+# each of those starts (``models.steps_from``), in the same form. A low-bit step's update is
+# computed from the dequantized state in float32 and only its new state is quantized, so from
+# the same start the fused and reference steps differ by float32 roundings, in the update, and
+# by a code flipped where a moment sits on the boundary between two codes, in the new state.
+#
+# The params: each leaf's update (its move in one step) against the reference's, in units of
+# that leaf's width. The width is STEP_MARGIN times the widest distance, over the steps, between
+# the reference's update and its own update from the start moved by an ulp or two (STEP_NUDGES):
+# the roundings an ulp sets off (8-bit Muon's widest width: 8.8e-5 of the update at the suite's
+# level, 1.3e-4 at XLA's default level, where the fused steps reach 0.31 of it: python -m
+# tests.low_bit_margins --all --groups muon_8bit_one_step). A learning rate 1 % off moves every
+# update by 1e-2 of itself, so a width above STEP_WIDTH_CAP would let it pass less than
+# REJECTED_BY times outside: the check then refuses to judge (SpreadTooWide).
+# The state: integer leaves (step counts) equal; a low-bit slot's codes at most one code apart
+# (one quantization step: a rounding on a code boundary), its scales and every other float leaf
+# within the float32 tolerance. The losses, of the same params, within the float32 tolerance.
+STEP_NUDGES = (1, -1, 2, -2)
+STEP_MARGIN = 2.0
+STEP_WIDTH_CAP = LR_ERROR / REJECTED_BY
+
+
+class StepWidths(NamedTuple):
+  """The widths ``assert_each_step_matches`` accepts, one per params leaf (``names``)."""
+
+  names: list[str]
+  widths: list[float]
+
+
+def update_distances(got, want, got_start, want_start) -> list[float]:
+  """Each params leaf's ``||(got - got_start) - (want - want_start)|| / ||want - want_start||``:
+  how far one step's update is from the reference's, as a fraction of the reference's."""
+  out = []
+  for g, w, gs, ws in zip(*map(jax.tree.leaves, (got, want, got_start, want_start)), strict=True):
+    g, w, gs, ws = (np.asarray(x, np.float64) for x in (g, w, gs, ws))
+    moved = np.linalg.norm(w - ws)
+    out.append(float(np.linalg.norm((g - gs) - (w - ws)) / moved) if moved else
+               (0.0 if np.array_equal(g - gs, w - ws) else np.inf))
+  return out
+
+
+def step_widths(nudged: Mapping[int, tuple], want, starts: list) -> StepWidths:
+  """The ``StepWidths`` of the reference's steps from its own starts moved by ``ulps``
+  (``nudged[ulps] = (starts moved, run)``, each run in ``want``'s form).
+
+  Raises:
+    SpreadTooWide: a width exceeds STEP_WIDTH_CAP: the reference's step is too sensitive for
+      the check to tell a learning rate 1 % off.
+  """
+  names = _paths(starts[0][0])
+  widest = np.zeros(len(names))
+  for moved, run in nudged.values():
+    for t, (start, _) in enumerate(starts):
+      widest = np.maximum(widest, update_distances(run[1][t], want[1][t], moved[t][0], start))
+  widths = StepWidths(names, [STEP_MARGIN * w for w in widest])
+  for name, width in zip(widths.names, widths.widths):
+    if width > STEP_WIDTH_CAP:
+      raise SpreadTooWide(
+          f"{name}: the reference's steps from starts an ulp or two apart differ by up to "
+          f"{width / STEP_MARGIN:.3g} of a step, more than {STEP_WIDTH_CAP / STEP_MARGIN:g}: "
+          "the one-step check cannot judge this run (a learning rate 1 % off could pass "
+          f"within {REJECTED_BY:g} times its tolerance).")
+  return widths
+
+
+def _is_slot(x) -> bool:
+  return isinstance(x, optfuse.QuantizedSlot)
+
+
+def _state_distance(got, want, bits: int) -> tuple[float, str]:
+  """The farthest leaf of two states: integers 0 or infinitely far, a low-bit slot's codes in
+  code steps, every other float leaf in units of the float32 tolerance."""
+  paths = [jax.tree_util.keystr(k) for k, _ in
+           jax.tree_util.tree_flatten_with_path(want, is_leaf=_is_slot)[0]]
+  worst, where = 0.0, ""
+  for path, g, w in zip(paths, jax.tree.leaves(got, is_leaf=_is_slot),
+                        jax.tree.leaves(want, is_leaf=_is_slot), strict=True):
+    if _is_slot(w):
+      codes = [np.asarray(_blocks._unpack(x.codes, bits), np.int64) for x in (g, w)]
+      d = max(float(np.max(np.abs(codes[0] - codes[1]), initial=0)),
+              matches_optax_distance(g.scales, w.scales)[0])
+    elif jnp.issubdtype(jnp.result_type(w), jnp.floating):
+      d = matches_optax_distance(g, w)[0]
+    else:
+      d = 0.0 if np.array_equal(np.asarray(g), np.asarray(w)) else np.inf
+    if d > worst:
+      worst, where = d, path
+  return worst, where
+
+
+def one_step_distance(got, want, starts: list, widths: StepWidths, bits: int
+                      ) -> tuple[float, str]:
+  """``assert_each_step_matches``'s distance of ``got`` (``(losses, params, state)`` after each
+  step, or ``(losses, params)``) in units of its tolerance, and where (step and leaf)."""
+  worst, where = matches_optax_distance(got[0], want[0])[0], "losses"
+  for t, (start, _) in enumerate(starts):
+    ratios = [d / w if w else (0.0 if d == 0 else np.inf) for d, w in
+              zip(update_distances(got[1][t], want[1][t], start, start), widths.widths)]
+    i = int(np.argmax(ratios))
+    found = [(ratios[i], f"step {t} params {widths.names[i]}")]
+    if len(got) > 2:
+      d, path = _state_distance(got[2][t], want[2][t], bits)
+      found.append((d, f"step {t} state {path}"))
+    for d, here in found:
+      if d > worst:
+        worst, where = d, here
+  return worst, where
+
+
+def assert_each_step_matches(got, want, starts: list, widths: StepWidths, bits: int) -> None:
+  """Every fused step of ``got`` lands where the reference's step from the same start landed:
+  each params leaf's update within its width, integer state equal, low-bit codes at most one
+  code apart, the losses and every other float within the float32 tolerance.
+
+  Raises:
+    AssertionError: a step is farther.
+  """
+  distance, where = one_step_distance(got, want, starts, widths, bits)
+  assert distance <= 1, (f"{where}: {distance:.3g} times the tolerance from the reference's "
+                         "step from the same start")

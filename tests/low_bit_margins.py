@@ -5,15 +5,21 @@ Usage::
 
   python -m tests.low_bit_margins            # the cases the default suite runs
   python -m tests.low_bit_margins --all      # and the ones under -m slow
+  python -m tests.low_bit_margins --all --groups flax muon_8bit_one_step  # some groups only
 
 It runs the tests' own cases with the tests' own criteria, under the suite's XLA settings
 (tests/conftest.py: the CPU, ``--xla_backend_optimization_level=0`` unless XLA_FLAGS sets a
-level). For the spread check (tests/models.py) a distance is in units of the width accepted
-(the check passes a leaf below 1), the largest over the losses and the params leaves; "tol" where
-every leaf is within LOW_BIT_TOL of the reference. "width" is the widest accepted width over the
+level or ``OPTFUSE_TESTS_XLA_DEFAULT_OPT=1`` asks for XLA's default level, as CI's run does).
+For the spread check (tests/models.py) a distance is in units of the width accepted (the check
+passes a leaf below 1), the largest over the losses and the params leaves; "tol" where every
+leaf is within LOW_BIT_TOL of the reference. "width" is the widest accepted width over the
 leaves as a fraction of how far the reference moved that leaf, against the cap SPREAD_CAP. For
-float32 Muon against the hand-written optax loop a distance is in units of ``np.allclose``'s
-tolerance, ``max |got - want| / (atol + rtol |want|)`` (the check passes below 1).
+8-bit Muon, judged one step at a time (tests/criteria.py, ``assert_each_step_matches``), a
+distance is in units of that check's tolerance (the largest over the steps, the losses, the
+params leaves' updates and the state), "width" the widest width over the params leaves as a
+fraction of the reference's step, against the cap STEP_WIDTH_CAP. For float32 Muon against the
+hand-written optax loop a distance is in units of ``np.allclose``'s tolerance, ``max |got -
+want| / (atol + rtol |want|)`` (the check passes below 1).
 """
 
 from __future__ import annotations
@@ -24,19 +30,23 @@ import os
 from collections.abc import Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if (os.environ.get("OPTFUSE_TESTS_XLA_DEFAULT_OPT") != "1"
+    and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402  (after the environment above)
 import numpy as np  # noqa: E402
 
-import optfuse  # noqa: E402
-from tests import models  # noqa: E402
+from tests import criteria, faults, models  # noqa: E402
+from tests.adapters import test_low_bit_flax as flax  # noqa: E402
 from tests.engines import test_muon as muon  # noqa: E402
 from tests.low_bit import test_low_bit_fusion as fusion  # noqa: E402
 
 FAULTS = ("lr_1pct_off", "count_frozen", "row_skipped")
+# The groups of cases, in the order they print (``--groups``).
+GROUPS = ("low_bit", "low_bit_microbatches", "flax", "muon_4bit", "muon_8bit_one_step",
+          "muon_optax_loop")
 
 
 def _spread_margin(judged: list[models.Judged]) -> str:
@@ -80,16 +90,34 @@ def _low_bit_rows(cases: list[tuple[str, str]]) -> Iterator[list[str]]:
 
 
 def _low_bit_microbatch_rows() -> Iterator[list[str]]:
-  """test_microbatches_with_low_bit_state_match_the_unfused_microbatched_step's cases."""
+  """test_microbatches_with_low_bit_state_match_the_unfused_microbatched_step's cases, and the
+  errors test_the_microbatched_check_rejects_each_error_injected_into_the_fused_step injects."""
   params, loss = fusion.MODELS["axis0"]()
   for mode in ("backward", "forward"):
     tx = fusion._with_clipping(fusion.low_bit_tx("adamw_8bit"), mode)
-    spread = models.reference_spread(lambda ulps, tx=tx: fusion._run(
-        optfuse.fuse(tx, mode="off"), loss, models.nudge(params, ulps), 10,
-        microbatches=2), params)
-    got = fusion._run(fusion._fuse(tx, mode), loss, params, 10, microbatches=2)
-    yield [f"adamw_8bit axis0 {mode} 2 microbatches", _width(spread),
-           _spread_margin(models.judge(got, spread)), "", "", ""]
+    spread = models.reference_spread(fusion._microbatched_reference(tx, loss, params), params)
+    got = fusion._run(fusion._fuse(tx, mode), loss, params, fusion.STEPS, microbatches=2)
+    row = [f"adamw_8bit axis0 {mode} 2 microbatches", _width(spread),
+           _spread_margin(models.judge(got, spread))]
+    for name in FAULTS:
+      fault = fusion.injected_faults("axis0")[name]
+      bad_tx = fusion._with_clipping(fusion.low_bit_tx("adamw_8bit", fault), mode)
+      bad = fusion._run(fusion._fuse(bad_tx, mode), loss, params, fusion.STEPS, microbatches=2)
+      row.append(_spread_margin(models.judge(bad, spread)))
+    yield row
+
+
+def _flax_rows(adapters: list[str]) -> Iterator[list[str]]:
+  """test_the_flax_low_bit_check_rejects_each_error_injected_into_the_fused_step's cases."""
+  for adapter in adapters:
+    fused, spread_of, kernel = flax.ADAPTERS[adapter]
+    spread = spread_of(8)
+    row = [f"{adapter} adamw_8bit offload=state", _width(spread),
+           _spread_margin(models.judge(fused(lambda tx: tx), spread))]
+    for name in FAULTS:
+      fault = faults.faults(lambda path, kernel=kernel: path == kernel)[name]
+      row.append(_spread_margin(models.judge(fused(fault), spread)))
+    yield row
 
 
 def _muon_rows(cases: list[tuple[int, int]]) -> Iterator[list[str]]:
@@ -104,6 +132,29 @@ def _muon_rows(cases: list[tuple[int, int]]) -> Iterator[list[str]]:
     row += [_spread_margin(models.judge(
                 run(muon.low_bit_muon(layer_axis, bits, muon.muon_faults(layer_axis)[name])),
                 spread)) for name in FAULTS]
+    yield row
+
+
+def _one_step_distance(layer_axis: int, microbatches: int, fault) -> str:
+  starts, want, widths = muon.one_step_reference(layer_axis, microbatches)
+  got = muon.fused_steps(muon.low_bit_muon(layer_axis, fault=fault), layer_axis, microbatches)
+  d, where = criteria.one_step_distance(got, want, starts, widths, bits=8)
+  return f"{d:.3g} ({where})"
+
+
+def _muon_one_step_rows(cases: list[tuple[int, int]]) -> Iterator[list[str]]:
+  """8-bit Muon judged one step at a time (test_muon's ``one_step_reference``): ``cases`` are
+  ``(layer_axis, microbatches)``."""
+  for layer_axis, microbatches in cases:
+    widths = muon.one_step_reference(layer_axis, microbatches)[2]
+    i = int(np.argmax(widths.widths))
+    row = [f"low-bit Muon 8-bit axis{layer_axis} backward"
+           + (f" {microbatches} microbatches" if microbatches > 1 else "") + " one step at a time",
+           f"{widths.widths[i]:.2g} of a step ({widths.names[i]}; cap "
+           f"{criteria.STEP_WIDTH_CAP:g})", _one_step_distance(layer_axis, microbatches,
+                                                               lambda tx: tx)]
+    row += [_one_step_distance(layer_axis, microbatches, muon.muon_faults(layer_axis)[name])
+            for name in FAULTS]
     yield row
 
 
@@ -127,14 +178,23 @@ def _muon_optax_rows(options: list[str]) -> Iterator[list[str]]:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--all", action="store_true", help="also the cases under -m slow")
-  every = parser.parse_args().all
+  parser.add_argument("--groups", nargs="+", choices=GROUPS, default=GROUPS,
+                      help="the groups of cases to print (default: every group)")
+  args = parser.parse_args()
+  every = args.all
   low_bit = [("adamw_8bit", "axis0"), ("adamw_4bit", "axis1")]
   low_bit += [("adamw_8bit", "axis1"), ("adamw_4bit", "axis0"), ("lion_8bit", "axis0"),
               ("sgd_momentum_4bit", "axis0")] if every else []
-  low_bit_muon = [(0, 8)] + ([(1, 8), (0, 4)] if every else [])
-  rows = itertools.chain(_low_bit_rows(low_bit), _low_bit_microbatch_rows(),
-                         _muon_rows(low_bit_muon),
-                         _muon_optax_rows(sorted(muon.FUSED_OPTIONS)))
+  one_step = [(0, 1)] + ([(1, 1), (0, 2)] if every else [])
+  groups = {
+      "low_bit": lambda: _low_bit_rows(low_bit),
+      "low_bit_microbatches": _low_bit_microbatch_rows,
+      "flax": lambda: _flax_rows(["linen", "nnx"] if every else ["linen"]),
+      "muon_4bit": lambda: _muon_rows([(0, 4)]),
+      "muon_8bit_one_step": lambda: _muon_one_step_rows(one_step),
+      "muon_optax_loop": lambda: _muon_optax_rows(sorted(muon.FUSED_OPTIONS)),
+  }
+  rows = itertools.chain.from_iterable(groups[name]() for name in GROUPS if name in args.groups)
   header = ["case", f"width / movement (cap {models.SPREAD_CAP:g})", "fused run", *FAULTS]
   print("| " + " | ".join(header) + " |")
   print("|" + "---|" * len(header))

@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import optfuse
+from tests.criteria import REJECTED_BY, SpreadTooWide
 
 # JAX 0.10's jax_custom_vjp3 cannot transpose, inside jax.checkpoint, a custom_vjp function that
 # takes a None argument (jax/_src/hijax.py:639 in 0.10.2 zips the inputs with their nonzero flags,
@@ -160,6 +161,34 @@ def run_steps(step: Callable, params, state, batches: Sequence[tuple], steps: in
     loss, params, state = jax.block_until_ready(step(params, state, *batches[t % len(batches)]))
     losses.append(loss)
   return jnp.stack(losses), params, state
+
+
+def reference_steps(step: Callable, params, state, batches: Sequence[tuple], steps: int
+                    ) -> tuple[list, tuple]:
+  """The run of ``step`` taken apart into its steps, for ``criteria.assert_each_step_matches``.
+
+  Returns:
+    ``(starts, run)``: ``starts[t]`` the ``(params, state)`` before step ``t``; ``run`` the
+    ``(losses, params, state)`` after each step, the losses stacked, params and state as lists.
+  """
+  step = jax.jit(step)
+  starts, losses, out_params, out_state = [(params, state)], [], [], []
+  for t in range(steps):
+    loss, params, state = jax.block_until_ready(step(params, state, *batches[t % len(batches)]))
+    starts.append((params, state))
+    losses.append(loss)
+    out_params.append(params)
+    out_state.append(state)
+  return starts[:-1], (jnp.stack(losses), out_params, out_state)
+
+
+def steps_from(step: Callable, starts: list, batches: Sequence[tuple]) -> tuple:
+  """``step`` from each of ``starts`` (``reference_steps``), one step each, with step ``t``'s
+  batch: ``(losses, params, state)`` after each, in ``reference_steps``' form."""
+  step = jax.jit(step)
+  outs = [jax.block_until_ready(step(p, s, *batches[t % len(batches)]))
+          for t, (p, s) in enumerate(starts)]
+  return jnp.stack([o[0] for o in outs]), [o[1] for o in outs], [o[2] for o in outs]
 
 
 def mlp_params_and_batches(seed: int = 0) -> tuple[dict, list[tuple[jax.Array, jax.Array]]]:
@@ -330,10 +359,6 @@ def _distances(a, b) -> list[float]:
                   for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1]), strict=True))]
 
 
-class SpreadTooWide(AssertionError):
-  """The reference is too chaotic for the spread check to judge a run (see SPREAD_CAP)."""
-
-
 class Spread(NamedTuple):
   """What a chaotic reference accepts, for the losses then each params leaf (``names``).
 
@@ -436,10 +461,14 @@ def assert_same_low_bit_trajectory(got, reference: Callable[[int], tuple], *, st
 
 def assert_rejected(got, spread: Spread, error: str, tol: dict = LOW_BIT_TOL):
   """Asserts that ``assert_within_spread`` fails ``got``, a run with ``error`` injected, because
-  a leaf is beyond the width accepted (not because the reference cannot judge it)."""
+  a leaf is beyond the width accepted (not because the reference cannot judge it), by at least
+  ``criteria.REJECTED_BY`` times that width."""
   try:
     assert_within_spread(got, spread, tol)
   except AssertionError as e:
     assert "beyond" in str(e), f"{error}: {e}"
   else:
     pytest.fail(f"the spread check passes a run with {error} injected")
+  worst = max((j for j in judge(got, spread, tol) if not j.within_tol), key=lambda j: j.margin)
+  assert worst.margin >= REJECTED_BY, (
+      f"{error}: {worst.name} only {worst.margin:.3g} times the width accepted")

@@ -11,18 +11,25 @@ given up says so in ``optfuse.describe(...).reasons``, with both peaks.
 
 The decision is cached per step and input shapes: a step traced again (another ``jax.jit`` of
 it, ``describe``) compiles nothing more.
+
+The guard wraps the backward engine (``GuardedEngine``, built by ``_fuse.make_engine``): it asks
+the engine for the loss's fused scans and for its step with chosen leaves kept out of the loops,
+and the engine knows nothing of the guard.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from optfuse._base._checks import abstract
+from optfuse._base._checks import abstract, checked_step
 from optfuse._base._errors import GuardError
+from optfuse._engines._backward import BackwardEngine, Refused
+from optfuse._engines._engine import PlacedStep, without_placements
 from optfuse._fusion._loops import is_dynamic
 from optfuse._targets import _backends, _inputs
 from optfuse._targets._compiled import DoesNotFit, compile_memory, format_bytes
@@ -101,3 +108,55 @@ def decide(sites: Sequence[tuple[int, ...]], peak_of: Callable[[frozenset], int]
          f"{format_bytes(peaks[frozenset()])} with its loop fused and "
          f"{format_bytes(peaks[best])} with its leaves tapped, so they are tapped")
   return dict.fromkeys(sorted(best), why)
+
+
+class GuardedEngine:
+  """``guard=True``: the backward engine ``engine`` (one pass or two-pass) with the fused leaves
+  the memory guard taps kept out of its loops (``decide``), decided once per step (its loss,
+  ``has_aux`` and microbatches) and input shapes, for every step the engine builds: a step traced
+  again (``describe``'s trace) compiles nothing more."""
+
+  def __init__(self, engine: BackwardEngine):
+    self.engine = engine
+    self.tx, self.options, self.unplaced = engine.tx, engine.options, engine.unplaced
+    # loss -> (has_aux, microbatches, input shapes) -> the fused leaves the guard taps, with why;
+    # kept while the loss lives (an NNX step's loss is new per trace).
+    self.decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+  def init(self, params):
+    return self.engine.init(params)
+
+  def flush(self, params, state):
+    return self.engine.flush(params, state)
+
+  def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
+    own: dict = {}  # for a loss that takes no weak reference: this step's decisions alone
+
+    def refusing(refused: Refused) -> PlacedStep:
+      return self.engine.unchecked(loss_fn, has_aux, microbatches, refused)
+
+    def step(params, state, *args, **kwargs):
+      try:
+        decisions = self.decisions.setdefault(loss_fn, {})
+      except TypeError:
+        decisions = own
+      shapes = (has_aux, microbatches, shapes_key(params, state, args, kwargs))
+      if shapes not in decisions:
+        decisions[shapes] = self.decide(loss_fn, refusing, params, state, args, kwargs)
+      return refusing(tuple(sorted(decisions[shapes].items())))(params, state, *args, **kwargs)
+
+    return checked_step(self.tx, step)
+
+  def decide(self, loss_fn: Callable, refusing: Callable[[Refused], PlacedStep], params, state,
+             args: tuple, kwargs: dict) -> dict[int, str]:
+    """The fused leaves of ``loss_fn``'s scans the guard taps: ``decide`` on the peaks of
+    ``refusing(refused)``, the step with the leaves of ``refused`` tapped."""
+    loop_plan = self.engine.analyze(loss_fn, params, state, args, kwargs)
+    sites = [site.leaves for site in loop_plan.sites.values()]
+
+    def peak_of(tapped: frozenset) -> int:
+      refused = tuple((i, "tapped by the memory guard's probe") for i in sorted(tapped))
+      return peak(without_placements(refusing(refused)), params, state, args, kwargs,
+                  self.tx.init)
+
+    return decide(sites, peak_of)

@@ -207,4 +207,4 @@ class TwoPassEngine(_backward.BackwardEngine):
     loop_plan = self.analyze(loss_fn, params, state, args, kwargs, refused)
     return (value_and_update(plan, loop_policy(), loss_fn, has_aux, params, state, args, kwargs,
                              loop_plan),
-            _backward.in_loops(loop_plan))
+            Placed(dict.fromkeys(loop_plan.fused_leaves, "loop"), dict(loop_plan.reasons)))

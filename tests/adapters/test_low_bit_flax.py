@@ -11,6 +11,8 @@ backward mode, with the state on the device and offloaded. The stacked kernels a
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ from flax.training import train_state
 import optfuse
 import optfuse.linen
 import optfuse.nnx
-from tests import models
+from tests import faults, models
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
@@ -31,8 +33,9 @@ STEPS = 20
 DIM = 32
 
 
-def _tx(bits: int) -> optax.GradientTransformation:
-  return optfuse.low_bit(optax.adamw(1e-2, weight_decay=1e-2), bits=bits, min_size=0)
+def _tx(bits: int, fault=lambda tx: tx) -> optax.GradientTransformation:
+  """Low-bit AdamW, with ``fault`` (tests/faults.py) injected into the AdamW it wraps."""
+  return optfuse.low_bit(fault(optax.adamw(1e-2, weight_decay=1e-2)), bits=bits, min_size=0)
 
 
 def _batch():
@@ -61,13 +64,15 @@ def _linen_params():
   return LinenScanned().init(jax.random.key(0), _batch()[0])["params"]
 
 
-def _train_linen(bits: int, fused: bool, offload: str | None = None, nudge: int = 0):
+def _train_linen(bits: int, fused: bool, offload: str | None = None, nudge: int = 0,
+                 fault=lambda tx: tx):
   model, (x, y) = LinenScanned(), _batch()
   params = models.nudge(_linen_params(), nudge)
   loss_fn = lambda params: jnp.mean((model.apply({"params": params}, x) - y) ** 2)
   if fused:
-    state = optfuse.linen.TrainState.create(apply_fn=model.apply, params=params, tx=_tx(bits),
-                                            mode="backward", offload=offload)
+    state = optfuse.linen.TrainState.create(apply_fn=model.apply, params=params,
+                                            tx=_tx(bits, fault), mode="backward",
+                                            offload=offload)
     step = lambda state: state.value_and_update(loss_fn)[::-1]
   else:
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=_tx(bits))
@@ -114,12 +119,13 @@ class NnxScanned(nnx.Module):
     return self.head(apply_blocks(x, self.blocks))
 
 
-def _train_nnx(bits: int, fused: bool, offload: str | None = None, nudge: int = 0):
+def _train_nnx(bits: int, fused: bool, offload: str | None = None, nudge: int = 0,
+               fault=lambda tx: tx):
   model, (x, y) = NnxScanned(nnx.Rngs(0)), _batch()
   nnx.update(model, models.nudge(nnx.state(model, nnx.Param), nudge))
   loss_fn = lambda model: jnp.mean((model(x) - y) ** 2)
   if fused:
-    optimizer = optfuse.nnx.Optimizer(model, _tx(bits), wrt=nnx.Param, mode="backward",
+    optimizer = optfuse.nnx.Optimizer(model, _tx(bits, fault), wrt=nnx.Param, mode="backward",
                                       offload=offload)
     step = lambda model, optimizer: optimizer.value_and_update(model, loss_fn)
   else:
@@ -149,6 +155,17 @@ CASES = [pytest.param(8, "state"), pytest.param(8, None, marks=pytest.mark.slow)
          pytest.param(4, None, marks=pytest.mark.slow)]
 
 
+@functools.cache
+def _linen_spread(bits: int) -> models.Spread:
+  """The spread of Flax's runs from the params moved by an ulp or two; measured once per
+  process."""
+  def reference(ulps):
+    losses, state = _train_linen(bits, fused=False, nudge=ulps)
+    return losses, state.params
+
+  return models.reference_spread(reference, _linen_params())
+
+
 @pytest.mark.parametrize("bits,offload", CASES)
 def test_linen_train_state_with_low_bit_state_trains_like_flax_apply_gradients(bits, offload):
   got_losses, got = _train_linen(bits, fused=True, offload=offload)
@@ -157,13 +174,19 @@ def test_linen_train_state_with_low_bit_state_trains_like_flax_apply_gradients(b
   assert quantized and len(quantized) == len(_codes_and_scales(want.opt_state))
   kinds = {x.sharding.memory_kind for x in quantized}
   assert kinds == {"pinned_host" if offload else "device"}
+  models.assert_within_spread((got_losses, got.params), _linen_spread(bits))
 
+
+@functools.cache
+def _nnx_spread(bits: int) -> models.Spread:
+  """The spread of ``nnx.Optimizer``'s runs from the params moved by an ulp or two; measured
+  once per process."""
   def reference(ulps):
-    losses, state = _train_linen(bits, fused=False, nudge=ulps)
-    return losses, state.params
+    losses, (params, _) = _train_nnx(bits, fused=False, nudge=ulps)
+    return losses, nnx.as_pure(params)
 
-  models.assert_same_low_bit_trajectory((got_losses, got.params), reference,
-                                        start=_linen_params())
+  return models.reference_spread(reference,
+                                 nnx.as_pure(nnx.state(NnxScanned(nnx.Rngs(0)), nnx.Param)))
 
 
 @pytest.mark.parametrize("bits,offload", CASES)
@@ -174,11 +197,33 @@ def test_nnx_optimizer_with_low_bit_state_trains_like_nnx_optimizer_update(bits,
   assert quantized and len(quantized) == len(_codes_and_scales(nnx.as_pure(want_opt.opt_state)))
   kinds = {x.sharding.memory_kind for x in quantized}
   assert kinds == {"pinned_host" if offload else "device"}
+  models.assert_within_spread((got_losses, nnx.as_pure(got_params)), _nnx_spread(bits))
 
-  def reference(ulps):
-    losses, (params, _) = _train_nnx(bits, fused=False, nudge=ulps)
-    return losses, nnx.as_pure(params)
 
-  start = nnx.as_pure(nnx.state(NnxScanned(nnx.Rngs(0)), nnx.Param))
-  models.assert_same_low_bit_trajectory((got_losses, nnx.as_pure(got_params)), reference,
-                                        start=start)
+def _fused_linen(fault) -> tuple:
+  losses, state = _train_linen(8, fused=True, offload="state", fault=fault)
+  return losses, state.params
+
+
+def _fused_nnx(fault) -> tuple:
+  losses, (params, _) = _train_nnx(8, fused=True, offload="state", fault=fault)
+  return losses, nnx.as_pure(params)
+
+
+# adapter -> (its fused run of ``fault(adamw)`` in 8 bits with offloaded state, as ``(losses,
+# params)``; the spread of its reference, by bits; the path of its stacked kernel, whose row 1
+# the ``row_skipped`` fault leaves unchanged).
+ADAPTERS = {
+    "linen": (_fused_linen, _linen_spread, "['ScanLinenBlock_0']['Dense_0']['kernel']"),
+    "nnx": (_fused_nnx, _nnx_spread, "['blocks']['linear']['kernel']"),
+}
+
+
+@pytest.mark.parametrize("adapter", ["linen", pytest.param("nnx", marks=pytest.mark.slow)])
+def test_the_flax_low_bit_check_rejects_each_error_injected_into_the_fused_step(adapter):
+  """Each error of tests/faults.py injected into the adapter's fused step only (its
+  transformation wraps the faulty AdamW; the Flax reference runs the correct one), judged
+  against the spread that passes the fused step (the 8-bit offloaded case above)."""
+  fused, spread, kernel = ADAPTERS[adapter]
+  for name, fault in faults.faults(lambda path: path == kernel).items():
+    models.assert_rejected(fused(fault), spread(8), name)

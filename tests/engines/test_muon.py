@@ -14,6 +14,7 @@ update just before its use in the next step), and on an FSDP mesh of eight simul
 devices (``_muon_fsdp_worker.py``, in its own process).
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from optax.contrib import MuonDimensionNumbers as Dims
 
 import optfuse
 from optfuse._jaxpr import _rows
-from tests import faults, models
+from tests import criteria, faults, models
 from tests._subprocess import checkout_env
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
@@ -264,35 +265,20 @@ def test_backward_fused_muon_on_an_fsdp_mesh_of_eight_devices_trains_like_the_un
 # matrix's codes and scales stay stacked like it (blocks run along its last axis), so the
 # quantize, the Newton-Schulz iterations and the dequantize run on one layer's matrix in its loop
 # iteration. A low-bit trajectory is chaotic (a flipped code moves a weight by a fraction of a
-# step): the fused run is judged against the spread of the unfused low-bit runs started an ulp
-# or two apart (models.assert_same_low_bit_trajectory), as tests/low_bit/test_low_bit_fusion.py
-# does, from eight starts instead of four: Muon orthogonalises the whole matrix, so one flipped code
-# moves every element of a layer's matrix and the distances between runs are heavy-tailed. Four
-# starts' widest pair can fall below a fused run's distance (measured for the head at
-# --xla_backend_optimization_level=0: 1.4e-5 from four starts, 1.6e-4 from eight, the fused run
-# 4.9e-5). In 8 bits the width of the stacked matrices' runs is 1e-2 to 4.3e-2 of how far they
+# step). In 4 bits the fused run is judged against the spread of the unfused low-bit runs started
+# an ulp or two apart (models.assert_same_low_bit_trajectory), as
+# tests/low_bit/test_low_bit_fusion.py does, from eight starts instead of four: Muon orthogonalises
+# the whole matrix, so one flipped code moves every element of a layer's matrix and the distances
+# between runs are heavy-tailed. In 8 bits that spread is 1e-2 to 4.3e-2 of how far the matrices
 # move in 20 steps (still 0.7e-2 to 1.4e-2 in 10, 0.4e-2 to 1e-2 in 5), beyond the cap
-# (models.SPREAD_CAP) under which the check can tell a learning rate 1 % off: the check judges
-# those leaves only where the fused run is within the tolerance of the reference (with the layer
-# axis at 0, bit for bit here), and refuses them otherwise.
+# (models.SPREAD_CAP) under which it can tell a learning rate 1 % off, so 8-bit Muon is judged one
+# step at a time instead: every fused step from the unfused run's own params and state, against that
+# run's step (criteria.assert_each_step_matches).
 MUON_NUDGES = (1, -1, 2, -2, 3, -3, 4)
-LOW_BIT_CASES = [pytest.param(0, 8, id="axis0-8bit"),
-                 pytest.param(1, 8, id="axis1-8bit", marks=pytest.mark.slow),
-                 pytest.param(0, 4, id="axis0-4bit")]
-# 8-bit Muon's reference is too chaotic for the capped spread check (its matrices' spread
-# reaches 1e-2 to 4.3e-2 of their movement): it judges a fused run only where the run stays
-# within the tolerance. With the layer axis at 0 it does at XLA's -O0 (the suite's level); with
-# the layer axis at 1, and at XLA's default level with either, XLA contracts the fused step
-# differently, its matrices leave the tolerance and the check refuses to judge them (measured
-# here; another processor may round the two alike). 4-bit Muon's spread is within the cap
-# (0.0025 of the movement): judged at both levels.
-UNJUDGED = pytest.mark.xfail(raises=models.SpreadTooWide, strict=False, reason=(
-    "8-bit Muon's reference spread exceeds models.SPREAD_CAP on matrices the fused run does "
-    "not match within the tolerance: the spread check cannot judge it"))
-TRAINS_LIKE_CASES = [pytest.param(*case.values, id=case.id,
-                                  marks=(*case.marks, *((UNJUDGED,) if case.id.endswith("8bit")
-                                                        else ())))
-                     for case in LOW_BIT_CASES]
+# (layer axis, microbatches): the 2 microbatches against the hand-written optax loop.
+ONE_STEP_CASES = [pytest.param(0, 1, id="axis0"),
+                  pytest.param(1, 1, id="axis1", marks=pytest.mark.slow),
+                  pytest.param(0, 2, id="axis0-2-microbatches", marks=pytest.mark.slow)]
 
 
 def low_bit_muon(layer_axis: int = 0, bits: int = 8, fault=lambda tx: tx
@@ -306,12 +292,11 @@ def _momentum(state) -> dict:
   return state.inner_states["muon"].inner_state[0].mu
 
 
-def low_bit_reference(tx, layer_axis: int = 0, steps: int = 20, microbatches=None):
+def low_bit_reference(tx, layer_axis: int = 0, steps: int = 20):
   """The unfused low-bit run from the params moved by ``ulps``, as ``(losses, params)``: one
   compile for every start."""
   fx = optfuse.fuse(tx, mode="off")
-  step = jax.jit(fx.value_and_update(_loss(layer_axis), microbatches=microbatches),
-                 donate_argnums=(0, 1))
+  step = jax.jit(fx.value_and_update(_loss(layer_axis)), donate_argnums=(0, 1))
 
   def run(ulps):
     params = models.nudge(decoder_params(layer_axis), ulps)
@@ -348,30 +333,80 @@ def test_low_bit_keeps_muons_newton_schulz_coefficients_as_they_are():
   assert isinstance(_momentum(state)["w"], optfuse.QuantizedSlot)
 
 
-@pytest.mark.parametrize("layer_axis,bits", TRAINS_LIKE_CASES)
-def test_backward_fused_low_bit_muon_trains_like_the_unfused_low_bit_muon(layer_axis, bits):
-  tx = low_bit_muon(layer_axis, bits)
-  got = models.run_fused(tx, "backward", decoder_params(layer_axis), _batches(), 20,
-                         _loss(layer_axis))
-  models.assert_same_low_bit_trajectory(got[:2], low_bit_reference(tx, layer_axis),
-                                        start=decoder_params(layer_axis), nudges=MUON_NUDGES)
+def test_backward_fused_4bit_muon_trains_like_the_unfused_4bit_muon():
+  tx = low_bit_muon(bits=4)
+  got = models.run_fused(tx, "backward", decoder_params(), _batches(), 20, decoder_loss)
+  models.assert_same_low_bit_trajectory(got[:2], low_bit_reference(tx), start=decoder_params(),
+                                        nudges=MUON_NUDGES)
 
 
-@pytest.mark.parametrize("layer_axis,bits", LOW_BIT_CASES)
-def test_the_low_bit_muon_check_rejects_each_error_injected_into_the_backward_fused_step(
-    layer_axis, bits):
+def test_the_spread_check_rejects_each_error_injected_into_the_backward_fused_4bit_muon():
   """Judged against the spread that passes the fused run
-  (test_backward_fused_low_bit_muon_trains_like_the_unfused_low_bit_muon)."""
-  spread = models.reference_spread(low_bit_reference(low_bit_muon(layer_axis, bits), layer_axis),
-                                   decoder_params(layer_axis), MUON_NUDGES)
-  for name, fault in muon_faults(layer_axis).items():
-    got = models.run_fused(low_bit_muon(layer_axis, bits, fault), "backward",
-                           decoder_params(layer_axis), _batches(), 20, _loss(layer_axis))
+  (test_backward_fused_4bit_muon_trains_like_the_unfused_4bit_muon)."""
+  spread = models.reference_spread(low_bit_reference(low_bit_muon(bits=4)), decoder_params(),
+                                   MUON_NUDGES)
+  for name, fault in muon_faults().items():
+    got = models.run_fused(low_bit_muon(bits=4, fault=fault), "backward", decoder_params(),
+                           _batches(), 20, decoder_loss)
     models.assert_rejected(got[:2], spread, name)
 
 
+def _reference_step(layer_axis: int, microbatches: int):
+  """8-bit Muon's hand-written optax step: plain optax on the whole batch, or the mean
+  gradient of ``microbatches`` (layer axis 0 only)."""
+  tx = low_bit_muon(layer_axis)
+  if microbatches > 1:
+    return optax_microbatched_step(tx, microbatches)
+  return models.optax_step(tx, _loss(layer_axis))
+
+
+@functools.cache
+def one_step_reference(layer_axis: int = 0, microbatches: int = 1):
+  """20 steps of 8-bit Muon's hand-written optax step taken apart (``models.reference_steps``):
+  ``(starts, run, widths)``, the widths measured from the starts moved by an ulp or two
+  (criteria.STEP_NUDGES); built once per process."""
+  step = _reference_step(layer_axis, microbatches)
+  params = decoder_params(layer_axis)
+  starts, run = models.reference_steps(step, params, low_bit_muon(layer_axis).init(params),
+                                       _batches(), 20)
+  nudged = {}
+  for ulps in criteria.STEP_NUDGES:
+    moved = [(models.nudge(p, ulps), s) for p, s in starts]
+    nudged[ulps] = (moved, models.steps_from(step, moved, _batches()))
+  return starts, run, criteria.step_widths(nudged, run, starts)
+
+
+def fused_steps(tx: optax.GradientTransformation, layer_axis: int = 0, microbatches: int = 1):
+  """The backward-fused step of ``tx`` from each start of ``one_step_reference``."""
+  step = optfuse.fuse(tx, mode="backward").value_and_update(
+      _loss(layer_axis), microbatches=None if microbatches == 1 else microbatches)
+  return models.steps_from(step, one_step_reference(layer_axis, microbatches)[0], _batches())
+
+
+@pytest.mark.parametrize("layer_axis,microbatches", ONE_STEP_CASES)
+def test_each_backward_fused_step_of_8bit_muon_lands_where_the_optax_step_lands(layer_axis,
+                                                                                microbatches):
+  starts, want, widths = one_step_reference(layer_axis, microbatches)
+  got = fused_steps(low_bit_muon(layer_axis), layer_axis, microbatches)
+  criteria.assert_each_step_matches(got, want, starts, widths, bits=8)
+
+
+@pytest.mark.parametrize("layer_axis,microbatches", ONE_STEP_CASES)
+def test_the_one_step_check_rejects_each_error_injected_into_the_backward_fused_8bit_muon(
+    layer_axis, microbatches):
+  """A learning rate 1 % off and a skipped row move the step's update, a frozen count leaves
+  the new state's count behind: each at least criteria.REJECTED_BY times the tolerance."""
+  starts, want, widths = one_step_reference(layer_axis, microbatches)
+  for name, fault in muon_faults(layer_axis).items():
+    got = fused_steps(low_bit_muon(layer_axis, fault=fault), layer_axis, microbatches)
+    with pytest.raises(AssertionError):
+      criteria.assert_each_step_matches(got, want, starts, widths, bits=8)
+    distance, where = criteria.one_step_distance(got, want, starts, widths, bits=8)
+    assert distance >= criteria.REJECTED_BY, (name, distance, where)
+
+
 def test_offloaded_low_bit_muon_momentum_lives_on_the_host_and_trains_like_the_unfused_step():
-  tx = low_bit_muon(bits=4)  # 8 bits: too chaotic for the spread check (UNJUDGED)
+  tx = low_bit_muon(bits=4)  # 8 bits: too chaotic for the spread check
   fx = optfuse.fuse(tx, mode="backward", offload="state")
   momentum = _momentum(fx.init(decoder_params()))["layers"]
   assert {x.sharding.memory_kind for name in DIMS for x in momentum[name]} == {"pinned_host"}
@@ -380,9 +415,3 @@ def test_offloaded_low_bit_muon_momentum_lives_on_the_host_and_trains_like_the_u
                                         nudges=MUON_NUDGES)
 
 
-@pytest.mark.slow
-def test_low_bit_muon_with_microbatches_trains_like_the_unfused_microbatched_step():
-  tx = low_bit_muon()
-  got = _run(optfuse.fuse(tx, mode="backward"), microbatches=2)
-  models.assert_same_low_bit_trajectory(got[:2], low_bit_reference(tx, microbatches=2),
-                                        start=decoder_params(), nudges=MUON_NUDGES)

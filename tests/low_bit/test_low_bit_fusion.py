@@ -147,14 +147,36 @@ def test_the_stacked_low_bit_slots_are_updated_row_by_row_in_the_loop(model):
   assert where["['layers']['b']"] == "loop", where.table()
 
 
+def _microbatched_reference(tx, loss, params):
+  """The unfused run over 2 microbatches from ``params`` moved by ``ulps``, as ``(losses,
+  params)``."""
+  return lambda ulps: _run(optfuse.fuse(tx, mode="off"), loss, models.nudge(params, ulps), STEPS,
+                           microbatches=2)
+
+
 @pytest.mark.parametrize("mode", ["backward", "forward"])
 def test_microbatches_with_low_bit_state_match_the_unfused_microbatched_step(mode):
   params, loss = MODELS["axis0"]()
   tx = _with_clipping(low_bit_tx("adamw_8bit"), mode)
-  got = _run(_fuse(tx, mode), loss, params, 10, microbatches=2)
-  models.assert_same_low_bit_trajectory(got, lambda ulps: _run(
-      optfuse.fuse(tx, mode="off"), loss, models.nudge(params, ulps), 10, microbatches=2),
-      start=params)
+  got = _run(_fuse(tx, mode), loss, params, STEPS, microbatches=2)
+  models.assert_same_low_bit_trajectory(got, _microbatched_reference(tx, loss, params),
+                                        start=params)
+
+
+@pytest.mark.parametrize("mode", ["backward", pytest.param("forward", marks=pytest.mark.slow)])
+def test_the_microbatched_check_rejects_each_error_injected_into_the_fused_step(mode):
+  """Each error of tests/faults.py injected into the fused run over 2 microbatches only (into
+  the update of the mean gradient, after the loop over them), judged against the spread that
+  passes the fused run
+  (test_microbatches_with_low_bit_state_match_the_unfused_microbatched_step)."""
+  params, loss = MODELS["axis0"]()
+  reference = _microbatched_reference(_with_clipping(low_bit_tx("adamw_8bit"), mode), loss,
+                                      params)
+  spread = models.reference_spread(reference, params)
+  for name, fault in injected_faults("axis0").items():
+    tx = _with_clipping(low_bit_tx("adamw_8bit", fault), mode)
+    got = _run(_fuse(tx, mode), loss, params, STEPS, microbatches=2)
+    models.assert_rejected(got, spread, name)
 
 
 # AdamW and the optimizer beyond it (Lion, SGD with momentum) in every mode with offloaded state.

@@ -226,3 +226,15 @@ def test_every_test_module_lives_in_the_folder_of_its_layer():
   assert folders == TEST_FOLDERS
   described = ast.get_docstring(ast.parse((TESTS / "__init__.py").read_text()))
   assert all(f"``{folder}``" in described for folder in TEST_FOLDERS)
+# The engines that wrap a mode's engine (the memory guard, offload), stacked around it by
+# ``_fuse.make_engine``. A wrapper imports what it wraps and no module of the engines layer
+# imports a wrapper: a mode's engine knows nothing of the wrappers, and a loss followed through
+# a mode's step meets none of them.
+ENGINE_WRAPPERS = frozenset({"_engines._guard", "_engines._offload"})
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if _unit(m) == "_engines"])
+def test_no_engine_imports_a_wrapper_stacked_around_it(module):
+  wrappers = (_optfuse_imports(_tree(module)) & ENGINE_WRAPPERS) - {module}
+  assert not wrappers, (f"{module} imports {sorted(wrappers)}: a wrapper is stacked around a "
+                        "mode's engine by _fuse.make_engine, not called from inside one")
