@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
 from optfuse import _fuse
+from optfuse._analysis import _transfers
 from optfuse._base import _checks, _leaves, _memory_spaces
 from optfuse._base._errors import NonSeparableError, OptionsError
 from optfuse._base._options import FuseOptions
 from optfuse._optimizers import _muon_dims
 from optfuse._plan import _make, _row_checks
+from optfuse._targets import _inputs
+from optfuse._targets._compiled import format_bytes
 
 
 class Placements(dict):
@@ -28,17 +32,21 @@ class Placements(dict):
       AdamW fallback, or orthogonalises one across its layers (``optfuse.stacked_muon_dims``).
     params: leaf path -> where the float param leaf lives between steps, "host" (streamed
       through its fused loop, ``offload="params"``) or "device".
+    host_transfer_bytes: the bytes each step moves between host and device memory (both ways,
+      ``memory_report``'s count), or ``None`` without offload (nothing moves).
   """
 
   def __init__(self, where: Mapping[str, str], reasons: Mapping[str, str],
                state: Mapping[str, str] | None = None,
                warnings: Mapping[str, str] | None = None,
-               params: Mapping[str, str] | None = None):
+               params: Mapping[str, str] | None = None,
+               host_transfer_bytes: int | None = None):
     super().__init__(where)
     self.reasons = dict(reasons)
     self.state = dict(state or {})
     self.warnings = dict(warnings or {})
     self.params = dict(params or {})
+    self.host_transfer_bytes = host_transfer_bytes
 
   def table(self) -> str:
     """One line per leaf: its path, where it runs, where its params and its state live (each
@@ -49,9 +57,11 @@ class Placements(dict):
                                     if "host" in where.values() else "")
     state = lambda path: on("params", self.params, path) + on("state", self.state, path)
     note = lambda notes, path, head="": f"  ({head}{notes[path]})" if path in notes else ""
-    return "\n".join(f"{path.ljust(width)}  {where}{state(path)}{note(self.reasons, path)}"
-                     f"{note(self.warnings, path, 'warning: ')}"
-                     for path, where in self.items())
+    lines = [f"{path.ljust(width)}  {where}{state(path)}{note(self.reasons, path)}"
+             f"{note(self.warnings, path, 'warning: ')}" for path, where in self.items()]
+    if self.host_transfer_bytes is not None:
+      lines.append(f"host transfers a step: {format_bytes(self.host_transfer_bytes)}")
+    return "\n".join(lines)
 
 
 def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None = None,
@@ -96,7 +106,9 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     (``optax.contrib.muon``) leaves to its AdamW fallback while of rank 3 or more, or
     orthogonalises across their layers, and say what to do: pass
     ``muon_weight_dimension_numbers=optfuse.stacked_muon_dims`` (in the modes that fuse loops,
-    which find the stacked leaves; mode "off" finds none).
+    which find the stacked leaves; mode "off" finds none). Its ``host_transfer_bytes`` are
+    the bytes each step moves between host and device memory with offload, counted in the
+    step traced on inputs placed as it says (this machine's compiler's choices).
 
   Raises:
     NonSeparableError: ``tx`` cannot run in backward mode (without ``global_ops="two_pass"``).
@@ -138,13 +150,32 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
   stacked = {i for i in diff if placed.get(i) == "loop" or i in reasons}
   mixing = {i for i, why in reasons.items() if why.startswith(_row_checks.MIXES_ROWS)}
   warnings = _muon_dims.muon_warnings(fx.tx, params, stacked, mixing)
+  where_params = {paths[i]: "host" if fx.offload == "params" and label(i) == "loop"
+                  else "device" for i in sorted(diff)}
   return Placements({path: label(i) for i, path in enumerate(paths)},
                     {paths[i]: why for i, why in reasons.items()
                      if i in diff and placed.get(i) != "loop"},
                     _state_memory(fx.tx, params, paths, diff, offload),
                     {paths[i]: why for i, why in warnings.items()},
-                    {paths[i]: "host" if fx.offload == "params" and label(i) == "loop"
-                     else "device" for i in sorted(diff)})
+                    where_params,
+                    _transfer_bytes(fx, loss_fn, params, args, kwargs, microbatches,
+                                    where_params) if offload else None)
+
+
+def _transfer_bytes(fx, loss_fn: Callable, params, args: tuple, kwargs: dict,
+                    microbatches: int | None, where_params: Mapping[str, str]) -> int:
+  """The bytes ``fx``'s jitted step moves between host and device memory, traced on
+  ``params`` placed as ``where_params`` says and the state as ``fx.init`` places it."""
+  has_aux = _checks.returns_pair(loss_fn, params, args, kwargs)
+  init = _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init
+  state = _inputs.offloaded_on(jax.eval_shape(init, params), None)
+  on_host = lambda path, x: (_inputs.offloaded_on(x, None)
+                             if where_params.get(jax.tree_util.keystr(path)) == "host" else x)
+  params = jax.tree_util.tree_map_with_path(on_host, params)
+  step = jax.jit(fx.value_and_update(loss_fn, has_aux, microbatches=microbatches),
+                 donate_argnums=(0, 1))
+  traced = step.trace(params, state, *args, **kwargs)
+  return _transfers.traced_transfer_bytes(traced.jaxpr).total
 
 
 def _fused(tx, options: FuseOptions | None) -> _fuse.FusedTransformation:

@@ -16,8 +16,8 @@ it needed, instead of raising.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,7 +25,7 @@ import jax
 import optax
 
 from optfuse import _fuse
-from optfuse._analysis import _params_memory
+from optfuse._analysis import _params_memory, _transfers
 from optfuse._base import _checks, _options
 from optfuse._base._errors import LowBitError, NonSeparableError, OffloadError
 from optfuse._base._options import FuseOptions
@@ -37,7 +37,7 @@ MODES = ("off", "backward", "forward")
 # What ``state_bits`` accepts: ``None`` or 32 plans ``tx`` as it is, 8 and 4 ``optfuse.low_bit``.
 STATE_BITS = (None, 32, 8, 4)
 # Bytes a step moves between host and device memory, apart from the compiler's fields.
-LINK_FIELDS = ("link_bytes",)
+TRANSFER_FIELDS = ("host_transfer_bytes",)
 
 # Errors that mean "this mode cannot run this optimizer (yet)", reported as an unavailable row.
 UNAVAILABLE_ERRORS = (NotImplementedError, NonSeparableError, OffloadError)
@@ -72,34 +72,47 @@ def with_state_bits(tx: optax.GradientTransformation, state_bits: int | None
   return _low_bit.low_bit(tx, bits=state_bits)
 
 
-def _aval_bytes(aval) -> int:
-  return math.prod(aval.shape) * aval.dtype.itemsize
-
-
-def _host_bytes(avals) -> int:
-  return sum(_aval_bytes(a) for a in avals
-             if getattr(a, "memory_space", None) == jax.memory.Space.Host)
-
-
-def link_bytes(lowered: jax.stages.Lowered) -> int:
-  """Bytes a step moves across the host link: its host-resident inputs, each read to the device
-  once, and its host-resident outputs, each written back once.
-
-  With ``offload="state"`` those are the offloaded state (and, in forward mode, the pending
-  gradient): the fused loops read each row once and write it once, ``mode="off"`` fetches each
-  slot whole and writes it back. The count is read from the step's types, the same on every
-  backend (XLA:CPU included, whose ``host_bytes`` is 0).
-  """
-  reads = _host_bytes(jax.tree.leaves(lowered.in_avals))
-  # The output types carry their memory spaces; ``out_info`` does not (jax 0.10).
-  out_types = getattr(lowered, "_out_types", None)
-  writes = reads if out_types is None else _host_bytes(out_types[1])
-  return reads + writes
-
-
 def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
   """Whether ``loss_fn`` returns a ``(loss, aux)`` pair, decided from its abstract output."""
   return _checks.returns_pair(loss_fn, params, args, kwargs)
+
+
+def trace_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
+               kwargs: Mapping[str, Any] | None = None, has_aux: bool = False,
+               target: _registry.Target | None = None, **step_options: Any
+               ) -> jax.stages.Traced:
+  """Traces ``jax.jit(fx.value_and_update(loss_fn, ...), donate_argnums=(0, 1))`` on the inputs
+  ``lower_step`` lowers it for (``traced.lower()`` lowers it only under ``on_target``)."""
+  kwargs = dict(kwargs or {})
+  # The offloaded state is laid out from the device-resident init (``_inputs.offloaded_on``).
+  init = (fx.init if fx.offload is None
+          else _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init)
+  if target is None:
+    state = jax.eval_shape(init, params)
+  else:
+    params = _inputs.params_on(params, target)
+    args, kwargs = _inputs.batch_on((tuple(args), kwargs), target)
+    state = _inputs.state_on(init, params, target)
+  if fx.offload is not None:
+    state = _inputs.offloaded_on(state, target)
+    params = _params_memory.abstract_params_on_host(fx, loss_fn, params, args, kwargs, target)
+  step = jax.jit(fx.value_and_update(loss_fn, has_aux=has_aux, **step_options),
+                 donate_argnums=(0, 1))
+  with on_target(target):
+    return step.trace(params, state, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_target(target: _registry.Target | None) -> Iterator[None]:
+  """Traces and lowers a step for ``target`` (``None``: this machine's backend as it is)."""
+  if target is None:
+    yield
+    return
+  # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
+  # (``_inputs.offloaded_on``), which the lowering resolves against the concrete one; the
+  # step takes the target's per-backend choices (``_backends``).
+  with jax.set_mesh(target.mesh), _backends.lowering_for(target):
+    yield
 
 
 def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
@@ -123,28 +136,9 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
     The lowered step; its state argument is ``jax.eval_shape(fx.init, params)`` (on a target,
     laid out as ``fx.init`` lays it out from the placed params).
   """
-  kwargs = dict(kwargs or {})
-  # The offloaded state is laid out from the device-resident init (``_inputs.offloaded_on``).
-  init = (fx.init if fx.offload is None
-          else _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init)
-  if target is None:
-    state = jax.eval_shape(init, params)
-  else:
-    params = _inputs.params_on(params, target)
-    args, kwargs = _inputs.batch_on((tuple(args), kwargs), target)
-    state = _inputs.state_on(init, params, target)
-  if fx.offload is not None:
-    state = _inputs.offloaded_on(state, target)
-    params = _params_memory.abstract_params_on_host(fx, loss_fn, params, args, kwargs, target)
-  step = jax.jit(fx.value_and_update(loss_fn, has_aux=has_aux, **step_options),
-                 donate_argnums=(0, 1))
-  if target is None:
-    return step.lower(params, state, *args, **kwargs)
-  # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
-  # (``_inputs.offloaded_on``), which the lowering resolves against the concrete one; the
-  # step takes the target's per-backend choices (``_backends``).
-  with jax.set_mesh(target.mesh), _backends.lowering_for(target):
-    return step.lower(params, state, *args, **kwargs)
+  traced = trace_step(fx, loss_fn, params, args, kwargs, has_aux, target, **step_options)
+  with on_target(target):
+    return traced.lower()
 
 
 def step_memory(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
@@ -152,13 +146,13 @@ def step_memory(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: 
                 target: _registry.Target | None = None, **step_options: Any
                 ) -> dict[str, int] | DoesNotFit:
   """The compiled memory of ``lower_step``'s step (the keys of ``FIELDS``, ``HOST_FIELDS`` and
-  ``LINK_FIELDS``), or the compiler's ``DoesNotFit`` refusal."""
-  lowered = lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=target,
-                       **step_options)
-  memory = compile_memory(lowered)
+  ``TRANSFER_FIELDS``), or the compiler's ``DoesNotFit`` refusal."""
+  traced = trace_step(fx, loss_fn, params, args, kwargs, has_aux, target, **step_options)
+  with on_target(target):
+    memory = compile_memory(traced.lower())
   if isinstance(memory, DoesNotFit):
     return memory
-  return {**memory, "link_bytes": link_bytes(lowered)}
+  return {**memory, "host_transfer_bytes": _transfers.traced_transfer_bytes(traced.jaxpr).total}
 
 
 def mode_table(header: list[str], rows: Mapping[str, list[str]],
@@ -231,11 +225,11 @@ class MemoryReport(Mapping):
     """The report as a fixed-width text table, one line per mode."""
     header = ["mode", "peak", "temp", "arguments", "outputs", "aliased", "peak vs off"]
     host = any(row.get("host_bytes") for row in self._rows.values())
-    link = any(row.get("link_bytes") for row in self._rows.values())
+    moves = any(row.get("host_transfer_bytes") for row in self._rows.values())
     if host:
       header.insert(6, "host")
-    if link:
-      header.insert(6 + host, "link a step")
+    if moves:
+      header.insert(6 + host, "host transfers")
     budget = self.budget_bytes is not None
     if budget:
       header.append("fits")
@@ -243,7 +237,7 @@ class MemoryReport(Mapping):
     rows = {}
     for mode, row in self._rows.items():
       ratio = f"{row['peak_bytes'] / base:.2f}x" if base else "-"
-      fields = FIELDS + HOST_FIELDS[:host] + LINK_FIELDS[:link]
+      fields = FIELDS + HOST_FIELDS[:host] + TRANSFER_FIELDS[:moves]
       rows[mode] = [mode, *(format_bytes(row.get(k)) for k in fields), ratio]
       if budget:
         rows[mode].append("yes" if self.fits(mode) else "no")
@@ -313,7 +307,10 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     A ``MemoryReport``: a mapping from "off", "backward", "forward" to dicts with
     ``peak_bytes``, ``temp_bytes``, ``argument_bytes``, ``output_bytes`` and ``alias_bytes``
     (device memory), ``host_bytes`` (host memory the step uses: the offloaded state) and
-    ``link_bytes`` (bytes the step moves across the host link: ``link_bytes``).
+    ``host_transfer_bytes`` (the bytes each step moves between host and device memory, both
+    ways: every ``device_put`` across memory spaces of the traced step, each loop's times its
+    trip count, as ``_transfers.traced_transfer_bytes`` counts them; the TPU and GPU compilers'
+    host copies move exactly these, and XLA:CPU, whose host memory is its device memory, none).
     A mode that cannot run ``tx`` (a non-separable transform in backward mode, a mode this
     version does not implement) is left out and its reason kept in ``report.unavailable``; a
     mode the compiler refused for want of memory is left out and kept in
