@@ -25,7 +25,7 @@ import jax
 import optax
 
 from optfuse import _fuse
-from optfuse._analysis import _params_memory, _transfers
+from optfuse._analysis import _auto, _params_memory, _streams, _transfers
 from optfuse._base import _checks, _options
 from optfuse._base._errors import LowBitError, NonSeparableError, OffloadError
 from optfuse._base._options import FuseOptions
@@ -79,10 +79,13 @@ def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
 
 def trace_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
                kwargs: Mapping[str, Any] | None = None, has_aux: bool = False,
-               target: _registry.Target | None = None, **step_options: Any
+               target: _registry.Target | None = None,
+               streams: Mapping[str, str] | None = None, **step_options: Any
                ) -> jax.stages.Traced:
   """Traces ``jax.jit(fx.value_and_update(loss_fn, ...), donate_argnums=(0, 1))`` on the inputs
-  ``lower_step`` lowers it for (``traced.lower()`` lowers it only under ``on_target``)."""
+  ``lower_step`` lowers it for (``traced.lower()`` lowers it only under ``on_target``); with
+  ``offload="auto"``, placed as ``streams`` says (``_streams.place_streams``; ``None``:
+  nothing streamed)."""
   kwargs = dict(kwargs or {})
   # The offloaded state is laid out from the device-resident init (``_inputs.offloaded_on``).
   init = (fx.init if fx.offload is None
@@ -93,7 +96,10 @@ def trace_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
     params = _inputs.params_on(params, target)
     args, kwargs = _inputs.batch_on((tuple(args), kwargs), target)
     state = _inputs.state_on(init, params, target)
-  if fx.offload is not None:
+  if fx.offload == "auto":
+    params, state = _streams.place_streams(
+        fx.tx, params, state, streams or {}, lambda x: _inputs.offloaded_on(x, target))
+  elif fx.offload is not None:
     state = _inputs.offloaded_on(state, target)
     params = _params_memory.abstract_params_on_host(fx, loss_fn, params, args, kwargs, target)
   step = jax.jit(fx.value_and_update(loss_fn, has_aux=has_aux, **step_options),
@@ -189,12 +195,16 @@ class MemoryReport(Mapping):
     target: the compile target's name ("cpu" for this machine's default backend).
     budget_bytes: the memory one device may use on that target, or ``None`` if unknown.
     budget_source: where ``budget_bytes`` comes from.
+    offload_plan: with ``offload="auto"``, the ``OffloadPlan`` of the backward row (what each
+      leaf streams to fit ``budget_bytes``, and why); else ``None``.
   """
 
   def __init__(self, rows: Mapping[str, Mapping[str, int]], unavailable: Mapping[str, str],
                does_not_fit: Mapping[str, DoesNotFit] | None = None, target: str | None = None,
-               budget_bytes: int | None = None, budget_source: str = "unknown"):
+               budget_bytes: int | None = None, budget_source: str = "unknown",
+               offload_plan: Any = None):
     self._rows = {mode: dict(row) for mode, row in rows.items()}
+    self.offload_plan = offload_plan
     self.unavailable = dict(unavailable)
     self.does_not_fit = dict(does_not_fit or {})
     self.target = target
@@ -292,7 +302,10 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     offload: ``"state"`` compiles every mode with ``optfuse.fuse(tx, mode,
       offload="state")`` (a reserved keyword too): the state's slots in host memory, reported
       apart as ``host_bytes``; ``"params"`` the fused modes with the param stacks of their
-      loops in host memory too (``optfuse.params_to_host``; mode "off" is unavailable).
+      loops in host memory too (``optfuse.params_to_host``; mode "off" is unavailable);
+      ``"auto"`` backward mode with what each leaf streams planned to fit the target's memory
+      (``optfuse.place``; ``report.offload_plan`` says what, and why; the other modes are
+      unavailable).
     guard: ``True`` compiles backward mode with ``optfuse.fuse(tx, guard=True)`` (a reserved
       keyword too): its loops kept only where they lower the peak on ``target``.
     state_bits: 8 or 4 plans ``optfuse.low_bit(tx, bits=state_bits)`` (a reserved keyword
@@ -341,11 +354,21 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
   tx = with_state_bits(tx, state_bits)
   has_aux = loss_has_aux(loss_fn, params, *args, **kwargs)
   rows, unavailable, refused = {}, {}, {}
+  name, budget, source = target_budget(resolved)
+  plan = None
   for mode in MODES:
     try:
       fx = _fuse.fuse(tx, options=given.for_mode(mode))
-      memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=resolved,
-                           microbatches=microbatches)
+      if fx.offload == "auto":
+        if budget is None:
+          raise OffloadError(f"offload='auto' plans for the target's memory, and {name}'s is "
+                             f"not known ({source}): name a target with a known memory.")
+        plan = _auto.plan_offload(fx, loss_fn, params, *args, budget=budget, target=resolved,
+                                  **kwargs)
+        memory = plan.memory
+      else:
+        memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
+                             target=resolved, microbatches=microbatches)
     except UNAVAILABLE_ERRORS as e:
       unavailable[mode] = f"{type(e).__name__}: {e}"
       continue
@@ -353,4 +376,4 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       refused[mode] = memory
     else:
       rows[mode] = memory
-  return MemoryReport(rows, unavailable, refused, *target_budget(resolved))
+  return MemoryReport(rows, unavailable, refused, name, budget, source, plan)
