@@ -157,3 +157,15 @@ def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps(
 def test_offload_params_trains_like_optax_with_the_params_in_host_memory():
   example = _load("offload_params")
   assert example.train_check(steps=3) < TOL
+
+
+@pytest.mark.slow  # a dozen compiles for the TPU compiler and a training run: about 2 minutes
+@pytest.mark.targets
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
+def test_offload_auto_plans_for_the_tpu_compiler_and_trains_like_optax_here():
+  example = _load("offload_auto")
+  diff, plan = example.train_check(steps=3)
+  assert diff < TOL
+  assert plan.device_peak_bytes <= plan.budget_bytes
+  assert set(plan.streams.values()) != {"none"}  # the budget is below the step's own peak
