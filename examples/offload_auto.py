@@ -80,6 +80,9 @@ def compare(model_name: str, target: str) -> str:
     if isinstance(row, optfuse.DoesNotFit):
       lines.append(f"| {offload} | {row} | - | - |")
       continue
+    if resolved.memory_bytes is not None and row["peak_bytes"] > resolved.memory_bytes:
+      lines.append(f"| {offload} | {format_bytes(row['peak_bytes'])}: does not fit | - | - |")
+      continue
     lines.append(f"| {offload} | {format_bytes(row['peak_bytes'])} | "
                  f"{format_bytes(row['host_bytes'])} | "
                  f"{format_bytes(row['host_transfer_bytes'])} |")
