@@ -121,7 +121,7 @@ def _cell(row: dict[str, Any]) -> str:
   if "peak_bytes" not in row:
     return f"needs {format_bytes(row['needs_bytes'])}" if row["needs_bytes"] else "does not fit"
   host = f" + {format_bytes(row['host_bytes'])} host" if row["host_bytes"] else ""
-  if row["link_bytes"] and not row["host_bytes"]:
+  if row["host_transfer_bytes"] and not row["host_bytes"]:
     host = " (host memory is device memory: nothing offloaded)"
   return f"{format_bytes(row['peak_bytes'])}{host}"
 

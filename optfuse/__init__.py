@@ -6,6 +6,9 @@ optax only. The Flax adapters ``optfuse.linen`` and ``optfuse.nnx`` are imported
 
 import importlib
 
+from optfuse._analysis._auto import OffloadPlan as OffloadPlan
+from optfuse._analysis._auto import place as place
+from optfuse._analysis._auto import plan_offload as plan_offload
 from optfuse._analysis._describe import describe as describe
 from optfuse._analysis._fit import FitReport as FitReport
 from optfuse._analysis._fit import max_batch_size as max_batch_size

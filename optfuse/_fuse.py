@@ -59,7 +59,7 @@ class FusedTransformation(NamedTuple):
 
   @property
   def offload(self) -> str | None:
-    """``None``, ``"state"`` or ``"params"``."""
+    """``None``, ``"state"``, ``"params"`` or ``"auto"``."""
     return self.options.offload
 
   @property
@@ -117,7 +117,11 @@ def fuse(tx: optax.GradientTransformation, mode: str | None = None,
       state as with ``"state"``, and the param stacks the fused loops update too (backward and
       forward modes): each layer's rows are fetched for its forward and its backward iteration
       and the new rows written back to the host there; place the params with
-      ``optfuse.params_to_host``. ``None`` (default): the state lives on the device.
+      ``optfuse.params_to_host``. ``"auto"`` (backward mode): each leaf streams what
+      ``optfuse.place`` plans for a memory budget (nothing, its slots, or its params and
+      slots), with the fewest bytes moved; ``init`` leaves the state on the device and
+      ``optfuse.place`` places params and state. ``None`` (default): the state lives on the
+      device.
     guard: backward mode only. ``True``: the first trace of the step for given input shapes
       compiles it twice more (every loop fused; every fused leaf tapped; with several fused
       scans, once more per scan) for the platform it is traced for, and keeps the placement
@@ -132,8 +136,8 @@ def fuse(tx: optax.GradientTransformation, mode: str | None = None,
   Raises:
     UnknownModeError: ``mode`` is not one of "backward", "forward", "off", or ``global_ops`` is
       not ``None`` or "two_pass".
-    OffloadError: ``offload`` is not ``None``, "state" or "params", or is given with
-      ``global_ops``, or is "params" in mode "off".
+    OffloadError: ``offload`` is not ``None``, "state", "params" or "auto", or is given with
+      ``global_ops``, or is "params" in mode "off", or "auto" outside backward mode.
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
     OptionsError: ``options`` is given with a keyword that contradicts it.
 
@@ -175,8 +179,8 @@ class _ValueAndUpdate:
   def __call__(self, loss_fn: Callable, has_aux: bool = False, *,
                microbatches: int | None = None) -> Step:
     step = self.placed(loss_fn, has_aux, microbatches)
-    if self.engine.options.offload == "params":
-      step = with_params_placed(step)
+    if self.engine.options.offload in ("params", "auto"):
+      step = with_params_placed(step, mixed=self.engine.options.offload == "auto")
     return without_placements(step)
 
 

@@ -16,8 +16,8 @@ it needed, instead of raising.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,7 +25,7 @@ import jax
 import optax
 
 from optfuse import _fuse
-from optfuse._analysis import _params_memory
+from optfuse._analysis import _auto, _params_memory, _streams, _transfers
 from optfuse._base import _checks, _options
 from optfuse._base._errors import LowBitError, NonSeparableError, OffloadError
 from optfuse._base._options import FuseOptions
@@ -37,7 +37,7 @@ MODES = ("off", "backward", "forward")
 # What ``state_bits`` accepts: ``None`` or 32 plans ``tx`` as it is, 8 and 4 ``optfuse.low_bit``.
 STATE_BITS = (None, 32, 8, 4)
 # Bytes a step moves between host and device memory, apart from the compiler's fields.
-LINK_FIELDS = ("link_bytes",)
+TRANSFER_FIELDS = ("host_transfer_bytes",)
 
 # Errors that mean "this mode cannot run this optimizer (yet)", reported as an unavailable row.
 UNAVAILABLE_ERRORS = (NotImplementedError, NonSeparableError, OffloadError)
@@ -72,34 +72,53 @@ def with_state_bits(tx: optax.GradientTransformation, state_bits: int | None
   return _low_bit.low_bit(tx, bits=state_bits)
 
 
-def _aval_bytes(aval) -> int:
-  return math.prod(aval.shape) * aval.dtype.itemsize
-
-
-def _host_bytes(avals) -> int:
-  return sum(_aval_bytes(a) for a in avals
-             if getattr(a, "memory_space", None) == jax.memory.Space.Host)
-
-
-def link_bytes(lowered: jax.stages.Lowered) -> int:
-  """Bytes a step moves across the host link: its host-resident inputs, each read to the device
-  once, and its host-resident outputs, each written back once.
-
-  With ``offload="state"`` those are the offloaded state (and, in forward mode, the pending
-  gradient): the fused loops read each row once and write it once, ``mode="off"`` fetches each
-  slot whole and writes it back. The count is read from the step's types, the same on every
-  backend (XLA:CPU included, whose ``host_bytes`` is 0).
-  """
-  reads = _host_bytes(jax.tree.leaves(lowered.in_avals))
-  # The output types carry their memory spaces; ``out_info`` does not (jax 0.10).
-  out_types = getattr(lowered, "_out_types", None)
-  writes = reads if out_types is None else _host_bytes(out_types[1])
-  return reads + writes
-
-
 def loss_has_aux(loss_fn: Callable, params, *args, **kwargs) -> bool:
   """Whether ``loss_fn`` returns a ``(loss, aux)`` pair, decided from its abstract output."""
   return _checks.returns_pair(loss_fn, params, args, kwargs)
+
+
+def trace_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
+               kwargs: Mapping[str, Any] | None = None, has_aux: bool = False,
+               target: _registry.Target | None = None,
+               streams: Mapping[str, str] | None = None, **step_options: Any
+               ) -> jax.stages.Traced:
+  """Traces ``jax.jit(fx.value_and_update(loss_fn, ...), donate_argnums=(0, 1))`` on the inputs
+  ``lower_step`` lowers it for (``traced.lower()`` lowers it only under ``on_target``); with
+  ``offload="auto"``, placed as ``streams`` says (``_streams.place_streams``; ``None``:
+  nothing streamed)."""
+  kwargs = dict(kwargs or {})
+  # The offloaded state is laid out from the device-resident init (``_inputs.offloaded_on``).
+  init = (fx.init if fx.offload is None
+          else _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init)
+  if target is None:
+    state = jax.eval_shape(init, params)
+  else:
+    params = _inputs.params_on(params, target)
+    args, kwargs = _inputs.batch_on((tuple(args), kwargs), target)
+    state = _inputs.state_on(init, params, target)
+  if fx.offload == "auto":
+    params, state = _streams.place_streams(
+        fx.tx, params, state, streams or {}, lambda x: _inputs.offloaded_on(x, target))
+  elif fx.offload is not None:
+    state = _inputs.offloaded_on(state, target)
+    params = _params_memory.abstract_params_on_host(fx, loss_fn, params, args, kwargs, target)
+  step = jax.jit(fx.value_and_update(loss_fn, has_aux=has_aux, **step_options),
+                 donate_argnums=(0, 1))
+  with on_target(target):
+    return step.trace(params, state, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_target(target: _registry.Target | None) -> Iterator[None]:
+  """Traces and lowers a step for ``target`` (``None``: this machine's backend as it is)."""
+  if target is None:
+    yield
+    return
+  # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
+  # (``_inputs.offloaded_on``), which the lowering resolves against the concrete one; the
+  # step takes the target's per-backend choices (``_backends``).
+  with jax.set_mesh(target.mesh), _backends.lowering_for(target):
+    yield
 
 
 def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
@@ -123,28 +142,9 @@ def lower_step(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: t
     The lowered step; its state argument is ``jax.eval_shape(fx.init, params)`` (on a target,
     laid out as ``fx.init`` lays it out from the placed params).
   """
-  kwargs = dict(kwargs or {})
-  # The offloaded state is laid out from the device-resident init (``_inputs.offloaded_on``).
-  init = (fx.init if fx.offload is None
-          else _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init)
-  if target is None:
-    state = jax.eval_shape(init, params)
-  else:
-    params = _inputs.params_on(params, target)
-    args, kwargs = _inputs.batch_on((tuple(args), kwargs), target)
-    state = _inputs.state_on(init, params, target)
-  if fx.offload is not None:
-    state = _inputs.offloaded_on(state, target)
-    params = _params_memory.abstract_params_on_host(fx, loss_fn, params, args, kwargs, target)
-  step = jax.jit(fx.value_and_update(loss_fn, has_aux=has_aux, **step_options),
-                 donate_argnums=(0, 1))
-  if target is None:
-    return step.lower(params, state, *args, **kwargs)
-  # Host-resident inputs on a compile-only GPU are placed on the target's abstract mesh
-  # (``_inputs.offloaded_on``), which the lowering resolves against the concrete one; the
-  # step takes the target's per-backend choices (``_backends``).
-  with jax.set_mesh(target.mesh), _backends.lowering_for(target):
-    return step.lower(params, state, *args, **kwargs)
+  traced = trace_step(fx, loss_fn, params, args, kwargs, has_aux, target, **step_options)
+  with on_target(target):
+    return traced.lower()
 
 
 def step_memory(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: tuple = (),
@@ -152,13 +152,13 @@ def step_memory(fx: _fuse.FusedTransformation, loss_fn: Callable, params, args: 
                 target: _registry.Target | None = None, **step_options: Any
                 ) -> dict[str, int] | DoesNotFit:
   """The compiled memory of ``lower_step``'s step (the keys of ``FIELDS``, ``HOST_FIELDS`` and
-  ``LINK_FIELDS``), or the compiler's ``DoesNotFit`` refusal."""
-  lowered = lower_step(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=target,
-                       **step_options)
-  memory = compile_memory(lowered)
+  ``TRANSFER_FIELDS``), or the compiler's ``DoesNotFit`` refusal."""
+  traced = trace_step(fx, loss_fn, params, args, kwargs, has_aux, target, **step_options)
+  with on_target(target):
+    memory = compile_memory(traced.lower())
   if isinstance(memory, DoesNotFit):
     return memory
-  return {**memory, "link_bytes": link_bytes(lowered)}
+  return {**memory, "host_transfer_bytes": _transfers.traced_transfer_bytes(traced.jaxpr).total}
 
 
 def mode_table(header: list[str], rows: Mapping[str, list[str]],
@@ -195,12 +195,16 @@ class MemoryReport(Mapping):
     target: the compile target's name ("cpu" for this machine's default backend).
     budget_bytes: the memory one device may use on that target, or ``None`` if unknown.
     budget_source: where ``budget_bytes`` comes from.
+    offload_plan: with ``offload="auto"``, the ``OffloadPlan`` of the backward row (what each
+      leaf streams to fit ``budget_bytes``, and why); else ``None``.
   """
 
   def __init__(self, rows: Mapping[str, Mapping[str, int]], unavailable: Mapping[str, str],
                does_not_fit: Mapping[str, DoesNotFit] | None = None, target: str | None = None,
-               budget_bytes: int | None = None, budget_source: str = "unknown"):
+               budget_bytes: int | None = None, budget_source: str = "unknown",
+               offload_plan: Any = None):
     self._rows = {mode: dict(row) for mode, row in rows.items()}
+    self.offload_plan = offload_plan
     self.unavailable = dict(unavailable)
     self.does_not_fit = dict(does_not_fit or {})
     self.target = target
@@ -231,11 +235,11 @@ class MemoryReport(Mapping):
     """The report as a fixed-width text table, one line per mode."""
     header = ["mode", "peak", "temp", "arguments", "outputs", "aliased", "peak vs off"]
     host = any(row.get("host_bytes") for row in self._rows.values())
-    link = any(row.get("link_bytes") for row in self._rows.values())
+    moves = any(row.get("host_transfer_bytes") for row in self._rows.values())
     if host:
       header.insert(6, "host")
-    if link:
-      header.insert(6 + host, "link a step")
+    if moves:
+      header.insert(6 + host, "host transfers")
     budget = self.budget_bytes is not None
     if budget:
       header.append("fits")
@@ -243,7 +247,7 @@ class MemoryReport(Mapping):
     rows = {}
     for mode, row in self._rows.items():
       ratio = f"{row['peak_bytes'] / base:.2f}x" if base else "-"
-      fields = FIELDS + HOST_FIELDS[:host] + LINK_FIELDS[:link]
+      fields = FIELDS + HOST_FIELDS[:host] + TRANSFER_FIELDS[:moves]
       rows[mode] = [mode, *(format_bytes(row.get(k)) for k in fields), ratio]
       if budget:
         rows[mode].append("yes" if self.fits(mode) else "no")
@@ -298,7 +302,10 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     offload: ``"state"`` compiles every mode with ``optfuse.fuse(tx, mode,
       offload="state")`` (a reserved keyword too): the state's slots in host memory, reported
       apart as ``host_bytes``; ``"params"`` the fused modes with the param stacks of their
-      loops in host memory too (``optfuse.params_to_host``; mode "off" is unavailable).
+      loops in host memory too (``optfuse.params_to_host``; mode "off" is unavailable);
+      ``"auto"`` backward mode with what each leaf streams planned to fit the target's memory
+      (``optfuse.place``; ``report.offload_plan`` says what, and why; the other modes are
+      unavailable).
     guard: ``True`` compiles backward mode with ``optfuse.fuse(tx, guard=True)`` (a reserved
       keyword too): its loops kept only where they lower the peak on ``target``.
     state_bits: 8 or 4 plans ``optfuse.low_bit(tx, bits=state_bits)`` (a reserved keyword
@@ -313,7 +320,10 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
     A ``MemoryReport``: a mapping from "off", "backward", "forward" to dicts with
     ``peak_bytes``, ``temp_bytes``, ``argument_bytes``, ``output_bytes`` and ``alias_bytes``
     (device memory), ``host_bytes`` (host memory the step uses: the offloaded state) and
-    ``link_bytes`` (bytes the step moves across the host link: ``link_bytes``).
+    ``host_transfer_bytes`` (the bytes each step moves between host and device memory, both
+    ways: every ``device_put`` across memory spaces of the traced step, each loop's times its
+    trip count, as ``_transfers.traced_transfer_bytes`` counts them; the TPU and GPU compilers'
+    host copies move exactly these, and XLA:CPU, whose host memory is its device memory, none).
     A mode that cannot run ``tx`` (a non-separable transform in backward mode, a mode this
     version does not implement) is left out and its reason kept in ``report.unavailable``; a
     mode the compiler refused for want of memory is left out and kept in
@@ -344,11 +354,21 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
   tx = with_state_bits(tx, state_bits)
   has_aux = loss_has_aux(loss_fn, params, *args, **kwargs)
   rows, unavailable, refused = {}, {}, {}
+  name, budget, source = target_budget(resolved)
+  plan = None
   for mode in MODES:
     try:
       fx = _fuse.fuse(tx, options=given.for_mode(mode))
-      memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux, target=resolved,
-                           microbatches=microbatches)
+      if fx.offload == "auto":
+        if budget is None:
+          raise OffloadError(f"offload='auto' plans for the target's memory, and {name}'s is "
+                             f"not known ({source}): name a target with a known memory.")
+        plan = _auto.plan_offload(fx, loss_fn, params, *args, budget=budget, target=resolved,
+                                  **kwargs)
+        memory = plan.memory
+      else:
+        memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
+                             target=resolved, microbatches=microbatches)
     except UNAVAILABLE_ERRORS as e:
       unavailable[mode] = f"{type(e).__name__}: {e}"
       continue
@@ -356,4 +376,4 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
       refused[mode] = memory
     else:
       rows[mode] = memory
-  return MemoryReport(rows, unavailable, refused, *target_budget(resolved))
+  return MemoryReport(rows, unavailable, refused, name, budget, source, plan)

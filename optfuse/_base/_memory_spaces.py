@@ -90,21 +90,28 @@ def tree_like(tree, ref):
   return jax.tree.map(like, tree, ref)
 
 
-def check_params_placed(params, streamed: set[int]) -> None:
+def check_params_placed(params, streamed: set[int], mixed: bool = False) -> None:
   """Raises ``OffloadError`` naming the first param leaf not where ``offload="params"`` keeps
   it: a leaf of ``streamed`` (updated inside a fused loop) in device memory, or another float
-  leaf in host memory.
+  leaf in host memory. ``mixed`` (``offload="auto"``, whose plan streams some of the leaves of
+  ``streamed``): only the latter.
 
   The step cannot move a leaf itself: with donation, XLA would alias the donated buffer to an
   output in the other memory space (the CPU runtime aborts on it).
   """
   for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
     name = jax.tree_util.keystr(path)
-    if i in streamed and not is_host(leaf):
+    if i in streamed and not is_host(leaf) and not mixed:
       raise OffloadError(
           f"param leaf {name} is in device memory, and offload='params' keeps the leaves "
           "updated inside a fused loop in host memory. Place the params with "
           "optfuse.params_to_host(fx, loss_fn, params, *args) before the first step.")
+    if i not in streamed and is_host(leaf) and mixed:
+      raise OffloadError(
+          f"param leaf {name} is in host memory, and offload='auto' streams only leaves "
+          "updated inside a fused loop (optfuse.describe(fx, loss_fn, params, *args) says "
+          "which); the others stay on the device. Place the params with optfuse.place(fx, "
+          "loss_fn, params, *args, budget=...).")
     if i not in streamed and is_host(leaf):
       raise OffloadError(
           f"param leaf {name} is in host memory, and offload='params' streams only the leaves "

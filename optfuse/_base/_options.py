@@ -33,7 +33,7 @@ from optfuse._base._errors import (
 # What each option accepts.
 MODES = ("backward", "forward", "off")
 GLOBAL_OPS = (None, "two_pass")
-OFFLOADS = (None, "state", "params")
+OFFLOADS = (None, "state", "params", "auto")
 GUARDS = (False, True)
 
 
@@ -43,7 +43,7 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
   Args:
     mode: "backward", "forward" or "off".
     global_ops: ``None`` or "two_pass".
-    offload: ``None``, "state" or "params".
+    offload: ``None``, "state", "params" or "auto".
     guard: ``True`` or ``False``.
     microbatches: ``None`` or a positive int, the step's (``value_and_update``'s).
 
@@ -51,7 +51,8 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
     ``None`` when the combination runs; else the error, not raised, whose message names the
     option and what to pass instead: ``UnknownModeError`` (a mode or ``global_ops`` that does
     not exist), ``OffloadError`` (an unknown ``offload``, an ``offload`` with ``global_ops``,
-    ``offload="params"`` in mode "off" or with microbatches), ``GuardError`` (a ``guard``
+    ``offload="params"`` in mode "off" or with microbatches, ``offload="auto"`` outside backward
+    mode, with ``global_ops`` or with microbatches), ``GuardError`` (a ``guard``
     that is not a bool, ``True`` outside backward mode, or ``True`` with microbatches),
     ``MicrobatchError`` (``microbatches`` is not a positive int or ``None``).
   """
@@ -60,7 +61,18 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
   if global_ops not in GLOBAL_OPS:
     return UnknownModeError(f'unknown global_ops {global_ops!r}; use None or "two_pass".')
   if offload not in OFFLOADS:
-    return OffloadError(f'unknown offload {offload!r}; use None, "state" or "params".')
+    return OffloadError(
+        f'unknown offload {offload!r}; use None, "state", "params" or "auto".')
+  if offload == "auto" and mode != "backward":
+    return OffloadError(
+        f'offload="auto" chooses per leaf what backward fusion streams, and mode={mode!r} is '
+        'not backward fusion. Use mode="backward", or offload="state" or "params" (whole) in '
+        f'mode={mode!r}.')
+  if offload == "auto" and global_ops is not None:
+    return OffloadError(
+        f'offload="auto" plans one backward pass, and global_ops={global_ops!r} runs two. Drop '
+        'global_ops, or use mode="forward" with offload="state" or "params" for global '
+        'clipping with streamed state.')
   if offload == "params" and mode == "off":
     return OffloadError(
         'offload="params" streams params through the fused loops of modes "backward" and '
@@ -87,6 +99,11 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
   if offload == "params" and microbatches is not None and microbatches > 1:
     return OffloadError(
         "offload='params' streams params through the loops of one backward pass; with "
+        "microbatches the update after the accumulation loop would read the whole stacks. "
+        "Use offload='state' with microbatches, or microbatches=None.")
+  if offload == "auto" and microbatches is not None and microbatches > 1:
+    return OffloadError(
+        "offload='auto' may stream params through the loops of one backward pass; with "
         "microbatches the update after the accumulation loop would read the whole stacks. "
         "Use offload='state' with microbatches, or microbatches=None.")
   if guard and microbatches is not None and microbatches > 1:
@@ -118,14 +135,14 @@ class FuseOptions:
   Attributes:
     mode: "backward", "forward" or "off" (see ``optfuse.fuse``).
     global_ops: ``None`` or ``"two_pass"``.
-    offload: ``None``, ``"state"`` or ``"params"``.
+    offload: ``None``, ``"state"``, ``"params"`` or ``"auto"``.
     guard: whether backward mode keeps only the loops that lower the compiled peak.
 
   Raises:
     UnknownModeError: ``mode`` is not "backward", "forward" or "off", or ``global_ops`` is not
       ``None`` or "two_pass".
-    OffloadError: ``offload`` is not ``None``, "state" or "params", or is given with
-      ``global_ops``, or is "params" in mode "off".
+    OffloadError: ``offload`` is not ``None``, "state", "params" or "auto", or is given with
+      ``global_ops``, or is "params" in mode "off", or "auto" outside backward mode.
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
 
   Examples:
@@ -161,7 +178,7 @@ class FuseOptions:
     Raises:
       MicrobatchError: ``microbatches`` is not a positive int or ``None``.
       GuardError: ``guard=True`` with more than one microbatch.
-      OffloadError: ``offload="params"`` with more than one microbatch.
+      OffloadError: ``offload="params"`` or ``"auto"`` with more than one microbatch.
     """
     error = refusal(self.mode, self.global_ops, self.offload, self.guard, microbatches)
     if error is not None:

@@ -97,4 +97,5 @@ def from_optax_state(fx, params, opt_state):
     with ``offload="state"``, its slots moved to host memory (``fx.init``'s placement).
   """
   state = no_pending(params, opt_state) if fx.mode == "forward" else opt_state
-  return state if getattr(fx, "offload", None) is None else state_to_host(state)
+  # offload="auto": on the device, where fx.init leaves it (optfuse.place moves it).
+  return state if getattr(fx, "offload", None) in (None, "auto") else state_to_host(state)

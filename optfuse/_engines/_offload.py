@@ -21,6 +21,12 @@ and the backward iteration use it (``_row_buffers.row_at``) and write the update
 the host stack (``_row_buffers.write_row``), and the loss is traced on device-typed stand-ins
 of those stacks (``_loops``), which no equation outside a fused loop reads. The user places
 the params (``optfuse.params_to_host``): the step checks where each leaf is.
+
+With ``offload="auto"`` each leaf streams what its own arrays' memory spaces say: ``init``
+leaves the state on the device, ``optfuse.place`` moves the slots (and the param stacks) the
+plan streams to the host, and the step accepts any placement of the loops' param stacks and of
+the slots (the streaming code reads each buffer's memory space), refusing only a param in host
+memory that no fused loop updates.
 """
 
 from __future__ import annotations
@@ -41,18 +47,22 @@ class OffloadEngine:
 
   def __init__(self, engine: Engine):
     self.engine, self.whole = engine, engine.options.mode == "off"
+    self.mixed = engine.options.offload == "auto"
     self.tx, self.options, self.unplaced = engine.tx, engine.options, engine.unplaced
 
   def init(self, params):
     # With offload="params" the params may be in host memory already, where optax's init
     # cannot make its zeros "like" them (JAX places them on the device buffers it makes).
-    return _memory_spaces.state_to_host(self.engine.init(_memory_spaces.tree_to_device(params)))
+    # With offload="auto" the state starts on the device: ``optfuse.place`` moves it.
+    state = self.engine.init(_memory_spaces.tree_to_device(params))
+    return state if self.mixed else _memory_spaces.state_to_host(state)
 
   def step(self, loss_fn: Callable, has_aux: bool, microbatches: int) -> PlacedStep:
     inner = self.engine.step(loss_fn, has_aux, microbatches)
 
     def step(params, state, *args, **kwargs):
-      _memory_spaces.check_on_host(state)
+      if not self.mixed:
+        _memory_spaces.check_on_host(state)
       if not self.whole:
         return inner(params, state, *args, **kwargs)
       on_device = _memory_spaces.tree_to_device(state)
@@ -68,11 +78,12 @@ class OffloadEngine:
     return _memory_spaces.tree_like(new_params, params), _memory_spaces.state_to_host(state)
 
 
-def with_params_placed(step: PlacedStep) -> PlacedStep:
+def with_params_placed(step: PlacedStep, mixed: bool = False) -> PlacedStep:
   """``step`` of ``offload="params"``, refusing params not where it keeps them: it raises
   ``OffloadError`` unless exactly the leaves its trace placed in a fused loop are in host memory
-  (``_memory_spaces.check_params_placed``). ``describe`` traces the step without this check: it
-  says where the params go, wherever they are."""
+  (``_memory_spaces.check_params_placed``); ``mixed`` (``offload="auto"``): unless every leaf in
+  host memory is one of those. ``describe`` traces the step without this check: it says where
+  the params go, wherever they are."""
 
   def checked(params, *args, **kwargs):
     try:
@@ -81,17 +92,17 @@ def with_params_placed(step: PlacedStep) -> PlacedStep:
       # A leaf in host memory that an equation outside the loops reads fails the trace: the
       # placements of the same step on device-resident params name it.
       if any(_memory_spaces.is_host(x) for x in jax.tree.leaves(params)):
-        _check_placed(params, _placements_on_device(step, params, args, kwargs))
+        _check_placed(params, _placements_on_device(step, params, args, kwargs), mixed)
       raise
-    _check_placed(params, placed)
+    _check_placed(params, placed, mixed)
     return outs, placed
 
   return checked
 
 
-def _check_placed(params, placed: Placed) -> None:
+def _check_placed(params, placed: Placed, mixed: bool) -> None:
   _memory_spaces.check_params_placed(
-      params, {i for i, place in placed.where.items() if place == "loop"})
+      params, {i for i, place in placed.where.items() if place == "loop"}, mixed)
 
 
 def _placements_on_device(step: PlacedStep, params, args: tuple, kwargs: dict) -> Placed:

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse._analysis._memory import FIELDS, HOST_FIELDS, LINK_FIELDS, memory_report
+from optfuse._analysis._memory import FIELDS, HOST_FIELDS, TRANSFER_FIELDS, memory_report
 
 # 4 x (16384 x 16384) float32 weights: 4.3 GB of params, 12.9 GB with adamw's mu and nu, and the
 # step's outputs again: far more than the test machines hold, so the report cannot allocate them.
@@ -34,8 +34,8 @@ def test_memory_report_compiles_a_model_bigger_than_host_memory_from_shapes(big_
   param_bytes = DEPTH * WIDTH * WIDTH * 4
   assert {"off", "backward"} <= set(big_adamw_report)
   for mode, row in big_adamw_report.items():
-    assert set(row) == set(FIELDS + HOST_FIELDS + LINK_FIELDS), mode
-    assert row["host_bytes"] == row["link_bytes"] == 0, mode  # nothing offloaded
+    assert set(row) == set(FIELDS + HOST_FIELDS + TRANSFER_FIELDS), mode
+    assert row["host_bytes"] == row["host_transfer_bytes"] == 0, mode  # nothing offloaded
     # The arguments are params, mu, nu (and count, the batch); donation aliases them all.
     assert row["argument_bytes"] >= 3 * param_bytes, mode
     assert row["alias_bytes"] >= 3 * param_bytes, mode

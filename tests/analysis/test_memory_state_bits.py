@@ -23,7 +23,7 @@ PARAMS = {"w": jax.ShapeDtypeStruct((ROWS, N), jnp.float32)}
 X = jax.ShapeDtypeStruct((4, N), jnp.float32)
 
 
-def test_8_bit_state_moves_codes_of_one_byte_and_a_float_scale_a_block_across_the_link():
+def test_8_bit_state_moves_codes_of_one_byte_and_a_float_scale_a_block_between_host_and_device():
   report = memory_report(_loss, optax.adamw(1e-3), PARAMS, X, offload="state", state_bits=8)
   f32 = memory_report(_loss, optax.adamw(1e-3), PARAMS, X, offload="state")
   slot_8 = ROWS * N * 1 + ROWS * (N // 256) * 4  # codes, then one f32 scale a block
@@ -31,9 +31,9 @@ def test_8_bit_state_moves_codes_of_one_byte_and_a_float_scale_a_block_across_th
   for mode in ("off", "backward", "forward"):
     pending = ROWS * N * 4 if mode == "forward" else 0  # forward streams the gradient too
     # Each of mu and nu read to the device once and written back once.
-    assert report[mode]["link_bytes"] == 2 * (2 * slot_8 + pending)
-    assert f32[mode]["link_bytes"] == 2 * (2 * slot_32 + pending)
-  assert "link a step" in report.table()
+    assert report[mode]["host_transfer_bytes"] == 2 * (2 * slot_8 + pending)
+    assert f32[mode]["host_transfer_bytes"] == 2 * (2 * slot_32 + pending)
+  assert "host transfers" in report.table()
 
 
 def test_state_bits_32_or_none_plans_tx_as_it_is_and_other_values_are_refused():

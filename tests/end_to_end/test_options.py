@@ -159,9 +159,13 @@ def test_describe_and_the_memory_reports_accept_and_refuse_what_the_table_says(c
       compiled.clear()
       if _as_the_table_says(combo, lambda r=report, o=kwargs: r(**o)) is not None:
         # Both compile every mode with the options in that mode (``FuseOptions.for_mode``),
-        # each mode the options run in (offload="params" has no mode "off").
+        # each mode the options run in (offload="params" has no mode "off"); offload="auto"
+        # plans from device peaks, which XLA:CPU does not split from host memory: the report
+        # says so and compiles nothing here.
+        planned_here = not (name == "memory_report" and options.offload == "auto")
         assert compiled == {mode: (options.for_mode(mode), microbatches)
-                            for mode in _memory.MODES if _runs_in(options, mode)}, name
+                            for mode in _memory.MODES
+                            if _runs_in(options, mode) and planned_here}, name
 
 
 def _runs_in(options: optfuse.FuseOptions, mode: str) -> bool:
@@ -279,7 +283,8 @@ def test_describe_reports_where_the_traced_step_updates_each_leaf(combo):
   assert ({sits[p] for p in stacked} == {"loop"}) == in_loops
   assert set(described.reasons) == (set() if in_loops or options.mode == "off" else stacked)
   # (Each leaf's slots, where the transformation splits per leaf: not clipped Lion's.)
-  assert set(described.state.values()) <= {"host" if options.offload else "device"}
+  assert set(described.state.values()) <= {"host" if options.offload in ("state", "params")
+                                           else "device"}  # "auto": as its plan places it
   assert described.params == {p: "host" if options.offload == "params" and p in stacked
                               else "device" for p in paths}
 

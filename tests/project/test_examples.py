@@ -71,7 +71,7 @@ def test_offload_state_trains_like_optax_with_the_state_in_host_memory():
 
 
 @pytest.mark.slow  # TPU and GPU compiles, which the tests' compilation cache cannot serve
-def test_low_bit_memory_link_bytes_drop_with_the_state_bits_and_the_clip_table_is_complete():
+def test_low_bit_memory_transfer_bytes_drop_with_the_state_bits_and_the_clip_table_is_complete():
   example = _load("low_bit_memory")
   rows = [example.measure("tiny", "cpu", "backward + offload", bits, example.HIDE_STEPS)
           for bits in example.BITS]
@@ -86,7 +86,7 @@ def test_low_bit_memory_link_bytes_drop_with_the_state_bits_and_the_clip_table_i
   clip = [example.measure("tiny", "cpu", step, 8, example.CLIP_STEPS)
           for step in example.CLIP_STEPS]
   assert all("peak_bytes" in r for r in clip), clip
-  assert clip[-1]["host_bytes"] == 0 < clip[-1]["link_bytes"]  # XLA:CPU: host is device memory
+  assert clip[-1]["host_bytes"] == 0 < clip[-1]["host_transfer_bytes"]  # XLA:CPU: host is device
 
 
 # With ``-m slow``: ``tests/fusion/test_penzai.py`` trains the same model against optax by default.
@@ -140,7 +140,7 @@ def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps(
   rows = [example.measure(model, "muon", step, None) for step in example.STEPS]
   assert all("peak_bytes" in r for r in rows), rows
   assert rows[1]["peak_bytes"] < rows[0]["peak_bytes"]
-  assert rows[2]["host_bytes"] == 0 < rows[2]["link_bytes"]  # XLA:CPU: host is device memory
+  assert rows[2]["host_bytes"] == 0 < rows[2]["host_transfer_bytes"]  # XLA:CPU: host is device
   table = example.markdown(rows, *example.stacked_bytes(model.params), {"muon": "f32"})
   assert table.count("| muon |") == len(example.STEPS)
   # --state-bits 8: Muon's momentum in 8 bits, still in the loop, a quarter of the state's bytes
@@ -157,3 +157,15 @@ def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps(
 def test_offload_params_trains_like_optax_with_the_params_in_host_memory():
   example = _load("offload_params")
   assert example.train_check(steps=3) < TOL
+
+
+@pytest.mark.slow  # a dozen compiles for the TPU compiler and a training run: about 2 minutes
+@pytest.mark.targets
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
+def test_offload_auto_plans_for_the_tpu_compiler_and_trains_like_optax_here():
+  example = _load("offload_auto")
+  diff, plan = example.train_check(steps=3)
+  assert diff < TOL
+  assert plan.device_peak_bytes <= plan.budget_bytes
+  assert set(plan.streams.values()) != {"none"}  # the budget is below the step's own peak

@@ -1,0 +1,301 @@
+"""Bytes a step moves between host and device memory: counted in the traced step, and in a
+compiled program to check that count.
+
+A value moves between memory spaces only where the step says so: ``_memory_spaces.to_device``
+and ``like`` bind JAX's ``device_put`` to the other space, at a tap (a leaf's slots whole, and
+back), in a row loop (a row of a host stack, and the new row back) and in mode "off" (the whole
+state, and back). ``traced_transfer_bytes`` adds up those ``device_put`` equations of the step's
+jaxpr, each loop's times its trip count: the exact bytes the step's plan moves, for the
+compiler it was traced for (the TPU's row loops read each slot row an iteration ahead, one row
+more than the GPU's).
+
+The TPU and GPU compilers turn each of them into a host copy (``_tpu_gpu_device_put_lowering``
+in jax/_src/dispatch.py, then XLA's host offloader): ``copy-start`` of a whole array to or from
+memory space ``S(5)``, ``dynamic-slice-start`` of a row out of a host buffer,
+``dynamic-update-slice-start`` of a device row into one (their synchronous forms too).
+``compiled_transfer_bytes`` counts those in a compiled program's HLO text, each while loop's
+body times its known trip count. XLA:CPU lowers ``device_put`` to nothing (its host and device
+memory are one, ``_common_device_put_lowering``): its compiled program holds no copy to count,
+and the traced count is what it runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax._src.interpreters import partial_eval as pe
+
+
+class TransferBytes(NamedTuple):
+  """Bytes a step moves from host to device memory and back.
+
+  Attributes:
+    to_device: bytes read from host memory into device memory.
+    to_host: bytes written from device memory into host memory.
+  """
+
+  to_device: int
+  to_host: int
+
+  @property
+  def total(self) -> int:
+    """Both directions together: ``host_transfer_bytes``."""
+    return self.to_device + self.to_host
+
+
+def traced_transfer_bytes(jaxpr) -> TransferBytes:
+  """The bytes the ``device_put`` equations of ``jaxpr`` move between memory spaces.
+
+  Args:
+    jaxpr: a step's ``ClosedJaxpr`` or ``Jaxpr`` (``jax.jit(step).trace(...).jaxpr``).
+
+  Returns:
+    The bytes moved each way, each ``scan`` body's times its length.
+
+  Raises:
+    ValueError: a transfer inside a ``while_loop`` (its trip count is not known when traced).
+  """
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  # What no output reads is not run: compilers drop it (a row read only for its shape).
+  jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+  to_device, to_host = _walk(jaxpr, 1, False)
+  return TransferBytes(to_device, to_host)
+
+
+def _aval_bytes(aval) -> int:
+  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      sub = getattr(sub, "jaxpr", sub)
+      if isinstance(sub, jax.extend.core.Jaxpr):
+        yield sub
+
+
+def _walk(jaxpr, times: int, in_while: bool) -> tuple[int, int]:
+  to_device = to_host = 0
+  host = jax.memory.Space.Host
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "device_put":
+      for a, b in zip(eqn.invars, eqn.outvars):
+        src, dst = a.aval.memory_space, b.aval.memory_space
+        if src == dst:
+          continue
+        if in_while:
+          raise ValueError("a host transfer inside a while_loop: its trip count is unknown.")
+        if dst == host:
+          to_host += times * _aval_bytes(b.aval)
+        elif src == host:
+          to_device += times * _aval_bytes(b.aval)
+    name = eqn.primitive.name
+    inner = times * (eqn.params["length"] if name == "scan" else 1)
+    subs = list(_sub_jaxprs(eqn))
+    if name == "cond":  # one branch runs: the most any branch moves
+      counts = [_walk(s, inner, in_while) for s in subs]
+      best = max(counts, key=sum, default=(0, 0))
+      to_device, to_host = to_device + best[0], to_host + best[1]
+      continue
+    for sub in subs:
+      d, h = _walk(sub, inner, in_while or name == "while")
+      to_device, to_host = to_device + d, to_host + h
+  return to_device, to_host
+
+
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:[a-z]\d*[a-z]*)*)\[([\d,]*)\](\{[^}]*\})?")
+_CALLS = re.compile(r"\b(body|calls|to_apply)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"(?:true_computation|false_computation)=(%?[\w.\-]+)|"
+                       r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+# The HLO dtypes whose name is not NumPy's.
+_HLO_DTYPES = {"pred": "bool", "bf16": "bfloat16", "f16": "float16", "f32": "float32",
+               "f64": "float64"}
+
+
+class _Array(NamedTuple):
+  bytes: int
+  host: bool
+
+
+def _dtype_bytes(dtype: str) -> float:
+  if dtype[0] in "su" and dtype[1:].isdigit():
+    return int(dtype[1:]) / 8
+  name = _HLO_DTYPES.get(dtype, dtype)
+  return jax.numpy.dtype(name).itemsize
+
+
+def _arrays(text: str) -> list[_Array]:
+  """Each array type of an HLO type string, in order, with its bytes and whether its layout
+  puts it in host memory (``S(5)``)."""
+  return [_Array(int(math.prod(int(d) for d in dims.split(",") if d) * _dtype_bytes(dtype)),
+                 "S(5)" in layout)
+          for dtype, dims, layout in _ARRAY.findall(text)]
+
+
+class _Instruction(NamedTuple):
+  name: str
+  type: str
+  opcode: str
+  rest: str
+
+
+def _instruction(line: str) -> _Instruction | None:
+  """An HLO instruction line split into its name, type, opcode and what follows the opcode."""
+  line = line.strip()
+  if line.startswith("ROOT "):
+    line = line[5:]
+  name, eq, rest = line.partition(" = ")
+  if not eq:
+    return None
+  if rest.startswith("("):  # a tuple type: up to its matching parenthesis
+    depth, end = 0, 0
+    for k, c in enumerate(rest):
+      depth += (c == "(") - (c == ")")
+      if depth == 0:
+        end = k
+        break
+    type_, rest = rest[:end + 1], rest[end + 1:].lstrip()
+  else:
+    type_, _, rest = rest.partition(" ")
+  opcode, _, rest = rest.partition("(")
+  return _Instruction(name.lstrip("%"), type_, opcode, rest)
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
+  """Computation name -> its instructions, and the entry computation's name."""
+  computations: dict[str, list[_Instruction]] = {}
+  entry, current = "", None
+  for line in hlo.splitlines():
+    if not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
+      head = line.split()
+      is_entry = head[0] == "ENTRY"
+      current = (head[1] if is_entry else head[0]).lstrip("%")
+      computations[current] = []
+      entry = current if is_entry else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      instruction = _instruction(line)
+      if instruction is not None:
+        computations[current].append(instruction)
+  return computations, entry
+
+
+def _copies(instructions: list[_Instruction]) -> tuple[int, int]:
+  """The bytes the host copies of one computation move to the device and to the host: each
+  copy's destination array, or the row a dynamic slice reads from or writes into a host
+  buffer."""
+  types = {i.name: i.type for i in instructions}
+  operand = lambda i, k: _arrays(types.get(_OPERAND.findall(i.rest)[k], ""))[0]
+  to_device = to_host = 0
+  for i in instructions:
+    arrays = _arrays(i.type)
+    if i.opcode == "copy-start":  # (destination, source, context)
+      moved, source = arrays[0], arrays[1]
+    elif i.opcode == "copy":
+      moved, source = arrays[0], operand(i, 0)
+    elif i.opcode == "dynamic-slice-start":  # ((buffer, indices...), row, context)
+      moved, source = arrays[-2], arrays[0]
+    elif i.opcode == "dynamic-slice":
+      moved, source = arrays[0], operand(i, 0)
+    elif i.opcode == "dynamic-update-slice-start":  # ((buffer, row, indices...), buffer, ...)
+      moved, source = _Array(arrays[1].bytes, arrays[0].host), arrays[1]
+    elif i.opcode == "dynamic-update-slice":
+      row = operand(i, 1)
+      moved, source = _Array(row.bytes, arrays[0].host), row
+    else:
+      continue
+    if moved.host and not source.host:
+      to_host += moved.bytes
+    elif source.host and not moved.host:
+      to_device += moved.bytes
+  return to_device, to_host
+
+
+def _constant(name: str, table: dict[str, _Instruction]) -> int | None:
+  """The value of the integer constant ``name`` is, through copies and bitcasts."""
+  while name in table and table[name].opcode in ("copy", "bitcast", "convert"):
+    name = _OPERAND.findall(table[name].rest)[0]
+  i = table.get(name)
+  if i is None or i.opcode != "constant":
+    return None
+  value = i.rest.split(")")[0]
+  return int(value) if value.lstrip("-").isdigit() else None
+
+
+def _trip_count(loop: _Instruction, parent: list[_Instruction],
+                computations: dict[str, list[_Instruction]]) -> int | None:
+  """The trip count of a while loop: the compiler's ``known_trip_count`` where it says it, else
+  read from a ``fori_loop``'s shape (a condition ``i < n`` for a tuple element ``i`` that starts
+  at a constant, which the body adds one to); ``None`` when neither holds."""
+  found = _TRIP_COUNT.search(loop.rest)
+  if found is not None:
+    return int(found.group(1))
+  condition = re.search(r"condition=%?([\w.\-]+)", loop.rest)
+  if condition is None or condition.group(1) not in computations:
+    return None
+  cond = {i.name: i for i in computations[condition.group(1)]}
+  compare = [i for i in cond.values() if i.opcode == "compare" and "direction=LT" in i.rest]
+  if len(compare) != 1:
+    return None
+  counter, bound = _OPERAND.findall(compare[0].rest)[:2]
+  index = re.search(r"index=(\d+)", cond[counter].rest) if counter in cond else None
+  end = _constant(bound, cond)
+  table = {i.name: i for i in parent}
+  init = _OPERAND.findall(loop.rest)[0]
+  if index is None or end is None or init not in table or table[init].opcode != "tuple":
+    return None
+  start = _constant(_OPERAND.findall(table[init].rest)[int(index.group(1))], table)
+  return None if start is None else end - start
+
+
+def compiled_transfer_bytes(hlo: str) -> TransferBytes:
+  """The bytes a compiled program's host copies move, each while loop's body times its known
+  trip count.
+
+  Args:
+    hlo: the optimized HLO text of a program compiled for a TPU or GPU
+      (``jax.stages.Compiled.as_text()``).
+
+  Returns:
+    The bytes its host copies move each way.
+
+  Raises:
+    ValueError: a host copy inside a while loop whose trip count the compiler does not know.
+  """
+  computations, entry = _computations(hlo)
+  done: dict[str, tuple[int, int]] = {}
+
+  def moved(name: str) -> tuple[int, int]:
+    if name in done:
+      return done[name]
+    to_device, to_host = _copies(computations[name])
+    for i in computations[name]:
+      if i.opcode == "conditional":  # one branch runs: the most any moves
+        branches = [b.strip().lstrip("%") for found in _BRANCHES.findall(i.rest)
+                    for b in ",".join(found).split(",") if b.strip()]
+        counts = [moved(b) for b in branches if b in computations]
+        d, h = max(counts, key=sum, default=(0, 0))
+        to_device, to_host = to_device + d, to_host + h
+        continue
+      for kind, callee in _CALLS.findall(i.rest):
+        if callee not in computations:
+          continue
+        d, h = moved(callee)
+        if kind == "body":
+          trips = _trip_count(i, computations[name], computations)
+          if trips is None and (d or h):
+            raise ValueError(f"a host copy in the while loop {i.name}, whose trip count "
+                             "optfuse cannot read from the program.")
+          d, h = d * (trips or 0), h * (trips or 0)
+        to_device, to_host = to_device + d, to_host + h
+    done[name] = to_device, to_host
+    return done[name]
+
+  return TransferBytes(*moved(entry))

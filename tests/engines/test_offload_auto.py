@@ -1,0 +1,155 @@
+"""``offload="auto"``: what each leaf streams, planned to fit a budget with the fewest bytes
+moved, and a step that takes the mixed placement.
+
+The step is checked on the CPU, whose ``pinned_host`` memory is real: with some leaves' params
+and slots in host memory, some leaves' slots alone, and the others on the device, it trains like
+plain optax. The plan is made from compiled device peaks, which XLA:CPU does not split from host
+memory, so the planner is checked on the TPU compiler (compile-only, marked ``targets``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optfuse
+from optfuse._analysis import _streams
+from optfuse._base import _memory_spaces
+from optfuse._targets import _registry
+from tests import criteria, models
+
+STEPS = 20
+# A mixed placement of the scanned model: one stack's params and slots streamed, the other's
+# slots alone, a tapped leaf's slots, and a leaf left on the device.
+MIXED = {"['layers']['w']": "params", "['layers']['b']": "state", "['embed']": "state",
+         "['head']": "none"}
+
+needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),
+                               reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
+
+
+def _kinds(tree):
+  return jax.tree.map(lambda x: x.sharding.memory_kind, tree)
+
+
+def _mixed_start(tx):
+  params = models.stacked_params(layers=6)
+  fx = optfuse.fuse(tx, offload="auto")
+  placed = _streams.place_streams(tx, models.copy(params), fx.init(models.copy(params)), MIXED,
+                                  _memory_spaces.to_host)
+  return fx, params, placed
+
+
+def test_init_leaves_the_state_on_the_device_and_a_plan_places_what_it_streams():
+  tx = optax.adamw(1e-2)
+  fx, params, (p, s) = _mixed_start(tx)
+  assert set(jax.tree.leaves(_kinds(fx.init(params)))) == {"device"}
+  assert _kinds(p) == {"embed": "device", "head": "device",
+                       "layers": {"w": "pinned_host", "b": "device"}}
+  mu = _kinds(s[0].mu)
+  assert mu == {"embed": "pinned_host", "head": "device",
+                "layers": {"w": "pinned_host", "b": "pinned_host"}}
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("jit", [True, False], ids=["jit_donated", "eager"])
+def test_a_mixed_placement_trains_like_optax(jit):
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  fx, params, (p, s) = _mixed_start(tx)
+  steps = STEPS if jit else 2  # eagerly, a step runs op by op: two show the same program
+  batches = models.tied_lm_batches()
+  losses, p_out, s_out = models.run_steps(fx.value_and_update(models.scanned_loss), p, s,
+                                          batches, steps, jit=jit)
+  # Each leaf comes back where it was: the streamed rows are written back to the host stacks.
+  assert _kinds(p_out) == _kinds(p) and _kinds(s_out) == _kinds(s)
+  got = (losses, *optfuse.to_optax_state(fx, p_out, s_out))
+  want = models.run_optax(tx, params, batches, steps, loss_fn=models.scanned_loss)
+  criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
+
+
+def test_a_param_in_host_memory_that_no_loop_updates_is_refused():
+  tx = optax.adam(1e-2)
+  fx, _, (p, s) = _mixed_start(tx)
+  p = {**p, "head": jax.device_put(p["head"], jax.memory.Space.Host)}
+  with pytest.raises(optfuse.OffloadError, match=r"param leaf \['head'\] is in host memory"):
+    fx.value_and_update(models.scanned_loss)(p, s, *models.tied_lm_batches()[0])
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(mode="off"), "not backward fusion"),
+    (dict(mode="forward"), "not backward fusion"),
+    (dict(global_ops="two_pass"), "runs two"),
+])
+def test_auto_refuses_the_options_it_does_not_plan(options, match):
+  with pytest.raises(optfuse.OffloadError, match=match):
+    optfuse.fuse(optax.adam(1e-2), offload="auto", **options)
+
+
+def test_auto_refuses_microbatches_and_planning_on_xla_cpu():
+  fx = optfuse.fuse(optax.adam(1e-2), offload="auto")
+  with pytest.raises(optfuse.OffloadError, match="microbatches"):
+    fx.value_and_update(models.scanned_loss, microbatches=2)
+  params, batch = models.stacked_params(), models.tied_lm_batches()[0]
+  with pytest.raises(optfuse.OffloadError, match="XLA:CPU counts host memory"):
+    optfuse.place(fx, models.scanned_loss, params, *batch, budget=10**6)
+  with pytest.raises(optfuse.OffloadError, match="plans offload='auto'"):
+    optfuse.plan_offload(optfuse.fuse(optax.adam(1e-2)), models.scanned_loss, params, *batch,
+                         budget="tpu-v5e")
+
+
+def _tpu_report(offload, params, batch, tx):
+  return optfuse.memory_report(models.scanned_loss, tx, params, *batch, target="tpu-v5e",
+                               offload=offload)["backward"]
+
+
+@pytest.mark.slow  # eight compiles of the step: 40 s
+@pytest.mark.targets
+@needs_tpu
+def test_the_plan_fits_the_budget_with_fewer_bytes_moved_than_streaming_everything():
+  params = models.abstract_stacked_params(8, 256)
+  batch = (jax.ShapeDtypeStruct((models.BATCH, models.SEQ), jnp.int32),) * 2
+  tx = optax.adam(1e-3)
+  none, state, everything = (_tpu_report(o, params, batch, tx) for o in (None, "state",
+                                                                          "params"))
+  assert everything["peak_bytes"] < state["peak_bytes"] < none["peak_bytes"]
+  fx = optfuse.fuse(tx, offload="auto")
+  planned = lambda budget: optfuse.plan_offload(fx, models.scanned_loss, params, *batch,
+                                             budget=budget, target="tpu-v5e")
+  # A budget between streaming the state and streaming everything: the plan fits it moving
+  # fewer bytes than either (it streams the large stack's slots, not the small leaves').
+  mid = planned((state["peak_bytes"] + everything["peak_bytes"]) // 2)
+  assert mid.device_peak_bytes <= mid.budget_bytes
+  assert 0 < mid.host_transfer_bytes < state["host_transfer_bytes"]
+  # At what streaming everything needs, it streams params too, and moves no more.
+  low = planned(everything["peak_bytes"])
+  assert low.device_peak_bytes <= everything["peak_bytes"]
+  assert "params" in low.streams.values()
+  assert low.host_transfer_bytes <= everything["host_transfer_bytes"]
+  plan = low
+  streamed = [p for p, w in plan.streams.items() if w != "none"]
+  assert all("needed to fit" in plan.why[p] for p in streamed)
+  assert "device peak" in plan.table()
+  # describe says where each leaf lives, and why.
+  where = optfuse.describe(fx, models.scanned_loss, params, *batch, plan=plan)
+  assert where.params == {p: "host" if w == "params" else "device"
+                          for p, w in plan.streams.items()}
+  assert all(f"({plan.why[p]})" in where.table() for p in streamed)
+  # A budget the step fits as it is streams nothing; one below what streaming everything
+  # needs is refused, saying by how much.
+  assert set(planned(none["peak_bytes"]).streams.values()) == {"none"}
+  with pytest.raises(optfuse.OffloadError, match="even with every leaf it can stream"):
+    planned(everything["peak_bytes"] // 2)
+
+
+@pytest.mark.targets
+@needs_tpu
+def test_memory_report_plans_auto_for_the_target_and_reports_its_plan():
+  params = models.abstract_stacked_params(8, 256)
+  batch = (jax.ShapeDtypeStruct((models.BATCH, models.SEQ), jnp.int32),) * 2
+  report = optfuse.memory_report(models.scanned_loss, optax.adam(1e-3), params, *batch,
+                                 target="tpu-v5e", offload="auto")
+  # The model fits the v5e's 16.91 GB as it is: nothing streams, nothing moves.
+  assert set(report) == {"backward"} and set(report.unavailable) == {"off", "forward"}
+  assert set(report.offload_plan.streams.values()) == {"none"}
+  assert report["backward"]["host_transfer_bytes"] == 0 and report.fits("backward")
