@@ -16,16 +16,21 @@ import subprocess
 import sys
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+from flax.training import train_state
 
 import optfuse
+import optfuse.linen
+import optfuse.nnx
 from optfuse._targets import _registry
 from optfuse.bench import _forms, _models
-from tests import models
+from tests import criteria, models
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
@@ -204,12 +209,97 @@ def test_a_device_resident_loop_stack_is_refused_and_params_to_host_places_it():
   assert _memory_kinds(p)["layers"]["w"] == "pinned_host"
 
 
-def test_offload_params_refuses_mode_off_and_microbatches_and_says_what_runs_instead():
+def test_offload_params_refuses_mode_off_and_says_what_runs_instead():
   with pytest.raises(optfuse.OffloadError, match='mode="off" has none. Use offload="state"'):
     optfuse.fuse(optax.adamw(1e-2), mode="off", offload="params")
-  fx = optfuse.fuse(optax.adamw(1e-2), offload="params")
-  with pytest.raises(optfuse.OffloadError, match="Use offload='state' with microbatches"):
-    fx.value_and_update(models.scanned_loss, microbatches=2)
+
+
+# Microbatches: the fused step divides each microbatch's loss by k before its gradient is added
+# to the sum (optax's loop adds, then divides), one rounding per step more than one batch: the
+# tolerance of tests/test_accumulate.py, where it is measured over 20 steps.
+MICROBATCH_TOL = dict(rtol=2e-5, atol=2e-5)
+K = 2
+
+
+def _optax_over_microbatches(tx, params, batches, steps, loss, k=K):
+  """The reference written with optax alone: the mean of ``k`` microbatch gradients, then one
+  update, ``steps`` times."""
+  def step(params, state, *batch):
+    grads, values = [], []
+    for i in range(k):
+      part = [x.reshape(k, -1, *x.shape[1:])[i] for x in batch]
+      value, g = jax.value_and_grad(loss)(params, *part)
+      grads.append(g)
+      values.append(value)
+    mean = jax.tree.map(lambda *gs: sum(gs) / k, *grads)
+    updates, state = tx.update(mean, state, params)
+    return jnp.mean(jnp.stack(values)), optax.apply_updates(params, updates), state
+
+  return models.run_steps(step, models.copy(params), tx.init(models.copy(params)), batches,
+                          steps)
+
+
+def _train_microbatched(fx, params, batches, loss, steps, jit=True, k=K):
+  p = optfuse.params_to_host(fx, loss, models.copy(params), *batches[0])
+  losses, p, state = models.run_steps(fx.value_and_update(loss, microbatches=k), p,
+                                      fx.init(models.copy(params)), batches, steps, jit=jit)
+  assert _memory_kinds(p) == _memory_kinds(_placed(fx, params, batches, loss))
+  return (losses, *optfuse.to_optax_state(fx, p, state))
+
+
+def test_with_microbatches_the_same_stacks_stream_and_are_updated_row_by_row_after_the_loop():
+  params, batches, loss = _scanned()
+  for mode in ("backward", "forward"):
+    fx = optfuse.fuse(optax.adamw(1e-2), mode=mode, offload="params")
+    one = optfuse.describe(fx, loss, params, *batches[0])
+    split = optfuse.describe(fx, loss, params, *batches[0], microbatches=K)
+    # The leaves in host memory are those the step without microbatches streams, so that
+    # params_to_host places them for either step.
+    assert split.params == one.params
+    assert {path for path, where in split.params.items() if where == "host"} == {
+        "['layers']['b']", "['layers']['w']"}
+    assert split["['layers']['w']"] == "rows"
+    assert "['layers']['w']  rows  params on host  state on host" in split.table()
+
+
+@pytest.mark.parametrize("mode, optimizer", _matrix(
+    [("backward", "adamw"), ("forward", "clip+adamw"), ("backward", "lion"),
+     ("forward", "adamw"), ("forward", "clip+lion")],
+    {("backward", "adamw"), ("forward", "clip+adamw")}))
+def test_microbatches_with_streamed_params_train_like_optax_over_20_steps(mode, optimizer):
+  params, batches, loss = _scanned()
+  tx = OPTIMIZERS[optimizer]()
+  got = _train_microbatched(optfuse.fuse(tx, mode=mode, offload="params"), params, batches,
+                            loss, STEPS)
+  criteria.assert_matches_optax(got, _optax_over_microbatches(tx, params, batches, STEPS, loss),
+                                **MICROBATCH_TOL)
+
+
+@pytest.mark.parametrize("mode", _matrix([("backward",), ("forward",)], {("backward",)}))
+def test_microbatches_with_streamed_params_without_jit_train_like_optax(mode):
+  params, batches, loss = _scanned()
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  got = _train_microbatched(optfuse.fuse(tx, mode=mode, offload="params"), params, batches,
+                            loss, 3, jit=False)
+  criteria.assert_matches_optax(got, _optax_over_microbatches(tx, params, batches, 3, loss),
+                                **MICROBATCH_TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_microbatches_of_a_checkpointed_stack_stream_like_the_step_without_them(mode):
+  # Forward fusion updates no row inside jax.checkpoint: that stack stays on the device, with
+  # or without microbatches; backward fusion streams it through the recomputed loop too.
+  params, batches, _ = _scanned()
+  loss = lambda p, *batch: jax.checkpoint(models.scanned_loss)(p, *batch)
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  fx = optfuse.fuse(tx, mode=mode, offload="params")
+  where = optfuse.describe(fx, loss, params, *batches[0], microbatches=K).params
+  assert where["['layers']['w']"] == ("host" if mode == "backward" else "device")
+  assert where == optfuse.describe(fx, loss, params, *batches[0]).params
+  got = _train_microbatched(fx, params, batches, loss, STEPS)
+  criteria.assert_matches_optax(got, _optax_over_microbatches(tx, params, batches, STEPS, loss),
+                                **MICROBATCH_TOL)
 
 
 def test_switching_to_device_params_and_offload_none_follows_optax():
@@ -337,3 +427,146 @@ def test_the_tpu_step_peak_does_not_grow_with_depth_when_the_params_stream():
     assert deep["peak_bytes"] <= 1.1 * shallow["peak_bytes"]
     assert deep["peak_bytes"] < 16 * row  # less than the stack of w alone
   assert "off" in reports[4].unavailable
+
+
+# The Flax adapters: an nn.scan and an nnx.scan model of six residual blocks (four or more
+# layers: AdamW's loops fuse from four rows, ``Plan.min_rows``), trained through the adapters
+# with the stacks in host memory and compared with Flax's own optax step on device params.
+FLAX_LAYERS = 6
+
+
+class _LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + jnp.tanh(nn.Dense(8)(nn.LayerNorm()(h))), None
+
+
+class _LinenScanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(_LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=FLAX_LAYERS)()
+    h, _ = blocks(nn.Dense(8)(x), None)
+    return nn.Dense(2)(h)
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+    self.linear = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, h):
+    return h + jnp.tanh(self.linear(self.norm(h)))
+
+
+class _NnxScanned(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=FLAX_LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return _NnxBlock(rngs)
+
+    self.inp, self.blocks, self.out = nnx.Linear(4, 8, rngs=rngs), blocks(rngs), nnx.Linear(
+        8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def apply(h, block):
+      return block(h)
+
+    return self.out(apply(self.inp(x), self.blocks))
+
+
+def _flax_batch():
+  x = jax.random.normal(jax.random.key(3), (6, 4))
+  return x, jnp.sin(x[:, :2])
+
+
+def _linen_loss(params, x, y):
+  return jnp.mean((_LinenScanned().apply({"params": params}, x) - y) ** 2)
+
+
+def _linen_reference(tx, params, steps):
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  step = jax.jit(lambda s, x, y: (lambda lg: (lg[0], s.apply_gradients(grads=lg[1])))(
+      jax.value_and_grad(_linen_loss)(s.params, x, y)))
+  losses = []
+  for _ in range(steps):
+    loss, state = step(state, *_flax_batch())
+    losses.append(loss)
+  return jnp.stack(losses), state.params, state.opt_state
+
+
+@pytest.mark.parametrize("entry, mode", _matrix(
+    [("train_state", "backward"), ("train_state", "forward"), ("train_step", "backward")],
+    {("train_state", "backward"), ("train_step", "backward")}))
+def test_the_linen_adapters_stream_an_nn_scan_stack_and_train_like_optax(entry, mode):
+  params = _LinenScanned().init(jax.random.key(0), _flax_batch()[0])["params"]
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  if entry == "train_state":
+    state = optfuse.linen.TrainState.create(apply_fn=None, params=models.copy(params), tx=tx,
+                                            mode=mode, offload="params")
+    state = state.params_to_host(_linen_loss, *_flax_batch())
+    run = lambda s, x, y: s.value_and_update(_linen_loss, x, y)
+  else:  # a plain Flax state: its params and opt_state placed once, out of jit
+    fx = optfuse.fuse(tx, mode=mode, offload="params")
+    state = train_state.TrainState.create(apply_fn=None, params=models.copy(params), tx=tx)
+    state = state.replace(params=optfuse.params_to_host(fx, _linen_loss, state.params,
+                                                        *_flax_batch()),
+                          opt_state=optfuse.from_optax_state(fx, state.params, state.opt_state))
+    run = optfuse.train_step(_linen_loss, mode=mode, offload="params")
+  kinds = _memory_kinds(state.params)
+  assert kinds["Scan_LinenBlock_0"]["Dense_0"]["kernel"] == "pinned_host"
+  assert kinds["Dense_0"]["kernel"] == "device"
+  step, losses = jax.jit(run, donate_argnums=0), []
+  for _ in range(STEPS):
+    loss, state = step(state, *_flax_batch())
+    losses.append(loss)
+  fx = state.fused if entry == "train_state" else optfuse.fuse(tx, mode=mode, offload="params")
+  got = (jnp.stack(losses), *optfuse.to_optax_state(fx, state.params, state.opt_state))
+  criteria.assert_matches_optax(got, _linen_reference(tx, params, STEPS), **TOL)
+
+
+def _nnx_reference(tx, steps):
+  model = _NnxScanned(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(_nnx_loss)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = jnp.stack([step(model, optimizer, *_flax_batch()) for _ in range(steps)])
+  return losses, nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(optimizer.opt_state)
+
+
+def _nnx_loss(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("mode, jit", _matrix(
+    [("backward", True), ("forward", True), ("backward", False)],
+    {("backward", True), ("backward", False)}))
+def test_the_nnx_optimizer_streams_an_nnx_scan_stack_and_trains_like_optax(mode, jit):
+  model = _NnxScanned(nnx.Rngs(0))
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  optimizer = optfuse.nnx.Optimizer(model, tx, wrt=nnx.Param, mode=mode, offload="params")
+  optimizer.params_to_host(model, _nnx_loss, *_flax_batch())
+  kinds = _memory_kinds(nnx.as_pure(nnx.state(model, nnx.Param)))
+  assert kinds["blocks"]["linear"]["kernel"] == "pinned_host"
+  assert kinds["inp"]["kernel"] == "device"
+  step = lambda m, o, x, y: o.value_and_update(m, _nnx_loss, x, y)
+  step = nnx.jit(step, donate_argnums=(0, 1)) if jit else step
+  steps = STEPS if jit else 3  # eagerly each step is traced again: seconds a step
+  losses = jnp.stack([step(model, optimizer, *_flax_batch()) for _ in range(steps)])
+  assert _memory_kinds(nnx.as_pure(nnx.state(model, nnx.Param))) == kinds
+  optimizer.flush(model)
+  params, opt_state = nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(optimizer.opt_state)
+  if mode == "forward":
+    opt_state = opt_state.opt_state
+  want_losses, want_params, want_opt_state = _nnx_reference(tx, steps)
+  # The optimizer state's leaves, in one order: NNX keeps optax's tuples as States of theirs.
+  criteria.assert_matches_optax((losses, params, jax.tree.leaves(opt_state)),
+                                (want_losses, want_params, jax.tree.leaves(want_opt_state)),
+                                **TOL)

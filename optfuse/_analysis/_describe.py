@@ -11,6 +11,7 @@ from optfuse import _fuse
 from optfuse._base import _checks, _leaves, _memory_spaces
 from optfuse._base._errors import NonSeparableError, OptionsError
 from optfuse._base._options import FuseOptions
+from optfuse._engines import _engine
 from optfuse._optimizers import _muon_dims
 from optfuse._plan import _make, _row_checks
 
@@ -91,7 +92,8 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     ``"optax"``. Every mode: ``"carried"`` (not a float leaf: carried unchanged). Its
     ``state`` says where each leaf's optimizer-state slots live: ``"host"`` with
     ``offload="state"`` (or ``"params"``), else ``"device"``; its ``params`` where each float
-    param leaf lives: ``"host"`` for a leaf placed ``"loop"`` with ``offload="params"``, else
+    param leaf lives: ``"host"`` for a leaf placed ``"loop"`` with ``offload="params"`` (with
+    microbatches, for a leaf placed ``"rows"`` that each microbatch's loops stream), else
     ``"device"``. Its ``warnings`` name the stacked leaves a Muon
     (``optax.contrib.muon``) leaves to its AdamW fallback while of rank 3 or more, or
     orthogonalises across their layers, and say what to do: pass
@@ -129,7 +131,8 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
   # ``eval_shape``'s outputs drop.
   jax.eval_shape(lambda p, a, kw: found.append(step(p, fx.init(p), *a, **kw)[1]),
                  params, args, kwargs)
-  placed, reasons = found[0]
+  placed, reasons, _ = found[0]
+  streamed = _engine.streamed_params(found[0]) if fx.offload == "params" else frozenset()
   unplaced = fx.value_and_update.engine.unplaced
   diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
   label = lambda i: placed.get(i, unplaced) if i in diff else "carried"
@@ -143,8 +146,7 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
                      if i in diff and placed.get(i) != "loop"},
                     _state_memory(fx.tx, params, paths, diff, offload),
                     {paths[i]: why for i, why in warnings.items()},
-                    {paths[i]: "host" if fx.offload == "params" and label(i) == "loop"
-                     else "device" for i in sorted(diff)})
+                    {paths[i]: "host" if i in streamed else "device" for i in sorted(diff)})
 
 
 def _fused(tx, options: FuseOptions | None) -> _fuse.FusedTransformation:

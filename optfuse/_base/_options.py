@@ -51,7 +51,7 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
     ``None`` when the combination runs; else the error, not raised, whose message names the
     option and what to pass instead: ``UnknownModeError`` (a mode or ``global_ops`` that does
     not exist), ``OffloadError`` (an unknown ``offload``, an ``offload`` with ``global_ops``,
-    ``offload="params"`` in mode "off" or with microbatches), ``GuardError`` (a ``guard``
+    ``offload="params"`` in mode "off"), ``GuardError`` (a ``guard``
     that is not a bool, ``True`` outside backward mode, or ``True`` with microbatches),
     ``MicrobatchError`` (``microbatches`` is not a positive int or ``None``).
   """
@@ -84,11 +84,6 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
                       'mode="backward", or guard=False.')
   if microbatches is not None and not is_positive_int(microbatches):
     return MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
-  if offload == "params" and microbatches is not None and microbatches > 1:
-    return OffloadError(
-        "offload='params' streams params through the loops of one backward pass; with "
-        "microbatches the update after the accumulation loop would read the whole stacks. "
-        "Use offload='state' with microbatches, or microbatches=None.")
   if guard and microbatches is not None and microbatches > 1:
     return GuardError(
         f"guard=True chooses between fusing the update in the loops of the loss and tapping it, "
@@ -161,7 +156,6 @@ class FuseOptions:
     Raises:
       MicrobatchError: ``microbatches`` is not a positive int or ``None``.
       GuardError: ``guard=True`` with more than one microbatch.
-      OffloadError: ``offload="params"`` with more than one microbatch.
     """
     error = refusal(self.mode, self.global_ops, self.offload, self.guard, microbatches)
     if error is not None:
