@@ -524,6 +524,11 @@ def test_the_linen_adapters_stream_an_nn_scan_stack_and_train_like_optax(entry, 
     losses.append(loss)
   fx = state.fused if entry == "train_state" else optfuse.fuse(tx, mode=mode, offload="params")
   got = (jnp.stack(losses), *optfuse.to_optax_state(fx, state.params, state.opt_state))
+  # An evaluation of the nn.scan model on the params where they are (a float32 ulp, as in
+  # test_streamed_evaluates_on_host_params_what_the_function_gives_on_device_params).
+  np.testing.assert_allclose(optfuse.streamed(_linen_loss)(state.params, *_flax_batch()),
+                             _linen_loss(optfuse.params_to_device(state.params), *_flax_batch()),
+                             rtol=1e-6, atol=1e-7)
   criteria.assert_matches_optax(got, _linen_reference(tx, params, STEPS), **TOL)
 
 
@@ -570,3 +575,37 @@ def test_the_nnx_optimizer_streams_an_nnx_scan_stack_and_trains_like_optax(mode,
   criteria.assert_matches_optax((losses, params, jax.tree.leaves(opt_state)),
                                 (want_losses, want_params, jax.tree.leaves(want_opt_state)),
                                 **TOL)
+
+
+def _logits(params, tokens):
+  """The scanned model's next-token logits: one step of generation."""
+  body = lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None)
+  h, _ = jax.lax.scan(body, params["embed"][tokens], params["layers"])
+  return h[:, -1] @ params["head"]
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_streamed_evaluates_on_host_params_what_the_function_gives_on_device_params(jit):
+  params, batches, loss = _scanned()
+  fx = optfuse.fuse(optax.adamw(1e-2), offload="params")
+  _, trained, _ = models.run_steps(fx.value_and_update(loss), _placed(fx, params, batches, loss),
+                                   fx.init(models.copy(params)), batches, 3)
+  assert _memory_kinds(trained)["layers"]["w"] == "pinned_host"
+  on_device = optfuse.params_to_device(trained)
+  wrap = jax.jit if jit else (lambda f: f)
+  for fn, args in ((loss, batches[1]), (_logits, batches[1][:1]),
+                   (jax.checkpoint(loss), batches[2])):
+    got = wrap(optfuse.streamed(fn))(trained, *args)
+    # The same operations on the same rows, the loop written as the step's forward loop:
+    # XLA may fuse its body differently, a float32 ulp.
+    np.testing.assert_allclose(got, wrap(fn)(on_device, *args), rtol=1e-6, atol=1e-7)
+  # The params are read where they are, not moved.
+  assert _memory_kinds(trained)["layers"]["w"] == "pinned_host"
+
+
+def test_streamed_refuses_a_host_leaf_read_outside_a_scan_and_says_to_fetch_the_params():
+  params, batches, loss = _scanned()
+  host_embed = {**params, "embed": jax.device_put(params["embed"], jax.memory.Space.Host)}
+  with pytest.raises(optfuse.OffloadError,
+                     match=r"\['embed'\] is in host memory.*optfuse.params_to_device"):
+    optfuse.streamed(loss)(host_embed, *batches[0])

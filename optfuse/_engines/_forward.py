@@ -53,7 +53,7 @@ from jax.experimental.shard_alike import shard_alike
 from optfuse._base import _leaves
 from optfuse._base._checks import check_params
 from optfuse._base._errors import NonSeparableError, OffloadError
-from optfuse._base._memory_spaces import is_host, like, to_device
+from optfuse._base._memory_spaces import is_host, like
 from optfuse._base._options import FuseOptions
 from optfuse._engines._engine import Placed, PlacedStep, microbatched
 from optfuse._engines._forward_state import ForwardState, check_forward_state, no_pending
@@ -172,23 +172,24 @@ def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
 
   # The new sum starts in the buffers of the pending gradient (of the cut gradients that
   # took them over), once the update has read them.
-  # A sum in host memory (``offload="state"``) starts as zeros moved there, after the update of
-  # the leaf's param (of its last row, for a param in host memory: ``offload="params"``).
-  zeros = jax.tree.map(lambda g, p: (like(value_after(jnp.zeros(g.shape, g.dtype), _on_device(p)),
-                                          g)
-                                     if is_host(g) else value_after(jnp.zeros_like(g), p, g)),
-                       jax.tree.unflatten(plan.params_def, buffers), params)
+  # A sum in host memory (``offload="state"``) starts as zeros there: a stacked leaf's written a
+  # row at a time over its pending gradient (``_accumulate.zeros_in_host``; whole, they would
+  # be whole on the device first), another's moved there once its param is updated.
+  def zeros_like(i, g, p):
+    if not is_host(g):
+      return value_after(jnp.zeros_like(g), p, g)
+    if i in axes:
+      return _accumulate.zeros_in_host(policy, g, axes[i])
+    return like(value_after(jnp.zeros(g.shape, g.dtype), p), g)
+
+  zeros = jax.tree.unflatten(plan.params_def, [
+      zeros_like(i, g, p) for i, (g, p) in enumerate(zip(buffers,
+                                                         plan.params_def.flatten_up_to(params)))])
   acc, values = lax.scan(body, zeros, batches)
   floats = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
   return ((_accumulate.sum_value(values, has_aux), params,
            _next_state(opt_state, acc, state.pending_grads)),
           microbatched(rows, axes, floats, microbatches, before=True, streamed=streamed))
-
-
-def _on_device(p):
-  """What the zeros of a new sum are ordered after: the new param, or for a param in host
-  memory its last row, on the device (an element of a host array is no device value)."""
-  return to_device(lax.index_in_dim(p, -1, keepdims=False)) if is_host(p) else p
 
 
 def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
