@@ -159,7 +159,7 @@ class TrainState(train_state.TrainState):
       UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
       OffloadError: ``offload`` is not ``None``, ``"state"`` or ``"params"``, or is given
         with ``global_ops``, or is ``"params"`` in mode "off".
-      GuardError: ``guard`` is ``True`` outside backward mode.
+      GuardError: ``guard`` is ``True`` outside backward mode or with ``offload="params"``.
       OptionsError: ``options`` is given with a keyword that contradicts it.
       ParamsStructureError: ``params`` holds fp8 overwrite-with-gradient params, which are not
         trained by ``tx`` and cannot be fused.

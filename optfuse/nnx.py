@@ -107,7 +107,7 @@ class Optimizer(nnx.Optimizer[M]):
       UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
       OffloadError: ``offload`` is not ``None``, ``"state"`` or ``"params"``, or is given
         with ``global_ops``, or is ``"params"`` in mode "off".
-      GuardError: ``guard`` is ``True`` outside backward mode.
+      GuardError: ``guard`` is ``True`` outside backward mode or with ``offload="params"``.
       OptionsError: ``options`` is given with a keyword that contradicts it.
     """
     fused = fuse(tx, mode, global_ops, offload, guard, options=options)

@@ -209,9 +209,18 @@ def test_a_device_resident_loop_stack_is_refused_and_params_to_host_places_it():
   assert _memory_kinds(p)["layers"]["w"] == "pinned_host"
 
 
-def test_offload_params_refuses_mode_off_and_says_what_runs_instead():
+def test_offload_params_refuses_mode_off_and_the_guard_and_says_what_runs_instead():
   with pytest.raises(optfuse.OffloadError, match='mode="off" has none. Use offload="state"'):
     optfuse.fuse(optax.adamw(1e-2), mode="off", offload="params")
+  # The guard would take a stack out of its loop, onto the device whole.
+  for build in (lambda: optfuse.fuse(optax.adamw(1e-2), offload="params", guard=True),
+                lambda: optfuse.linen.TrainState.create(apply_fn=None, params={}, tx=optax.sgd(
+                    0.1), offload="params", guard=True),
+                lambda: optfuse.train_step(models.scanned_loss, offload="params", guard=True)):
+    with pytest.raises(optfuse.GuardError,
+                       match='Use guard=False with offload="params", or guard=True with '
+                             'offload="state"'):
+      build()
 
 
 # Microbatches: the fused step divides each microbatch's loss by k before its gradient is added

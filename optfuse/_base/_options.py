@@ -52,7 +52,8 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
     option and what to pass instead: ``UnknownModeError`` (a mode or ``global_ops`` that does
     not exist), ``OffloadError`` (an unknown ``offload``, an ``offload`` with ``global_ops``,
     ``offload="params"`` in mode "off"), ``GuardError`` (a ``guard``
-    that is not a bool, ``True`` outside backward mode, or ``True`` with microbatches),
+    that is not a bool, ``True`` outside backward mode, with ``offload="params"`` or with
+    microbatches),
     ``MicrobatchError`` (``microbatches`` is not a positive int or ``None``).
   """
   if mode not in MODES:
@@ -82,6 +83,13 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
   if guard and mode != "backward":
     return GuardError(f'guard=True guards the loops of mode="backward", not mode={mode!r}; use '
                       'mode="backward", or guard=False.')
+  if guard and offload == "params":
+    return GuardError(
+        'guard=True keeps a loop only where it lowers the peak, else takes its leaves out of '
+        'it, and with offload="params" the leaves of the loops are those in host memory, read '
+        'a row at a time: out of its loop a stack would be read whole, on the device, which is '
+        'what offload="params" avoids (and the guard\'s probes compile the params on the '
+        'device). Use guard=False with offload="params", or guard=True with offload="state".')
   if microbatches is not None and not is_positive_int(microbatches):
     return MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
   if guard and microbatches is not None and microbatches > 1:
@@ -121,7 +129,8 @@ class FuseOptions:
       ``None`` or "two_pass".
     OffloadError: ``offload`` is not ``None``, "state" or "params", or is given with
       ``global_ops``, or is "params" in mode "off".
-    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
+    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode or with
+      ``offload="params"``.
 
   Examples:
     >>> import optax, optfuse
