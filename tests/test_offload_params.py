@@ -39,6 +39,7 @@ pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 STEPS = 20
+K = 2  # microbatches
 
 OPTIMIZERS = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.05),
@@ -155,20 +156,26 @@ def test_real_codebase_scan_forms_train_like_optax_with_streamed_params(form, mo
     chex.assert_trees_all_close(got, reference(0), **TOL)
 
 
-@pytest.mark.parametrize("which, mode", _matrix(
-    [("low_bit", "backward"), ("low_bit", "forward"), ("muon", "backward"), ("muon", "forward")],
-    {("muon", "backward")}))
-def test_low_bit_state_and_muon_stream_their_params_like_the_state_only_offload(which, mode):
+@pytest.mark.parametrize("which, mode, microbatches", _matrix(
+    [("low_bit", "backward", None), ("low_bit", "forward", None), ("muon", "backward", None),
+     ("muon", "forward", None), ("low_bit", "backward", K), ("muon", "backward", K),
+     ("low_bit", "forward", K), ("muon", "forward", K)],
+    {("muon", "backward", None), ("low_bit", "backward", K)}))
+def test_low_bit_state_and_muon_stream_their_params_like_the_state_only_offload(
+    which, mode, microbatches):
   # The reference is the same step with offload="state" (tested against optax in
-  # tests/test_offload.py, tests/test_low_bit.py and tests/test_muon.py): streaming the params
-  # changes where their rows are read and written, not the update.
+  # tests/test_offload.py, tests/test_low_bit.py and tests/test_muon.py, with microbatches in
+  # tests/test_low_bit_fusion.py and tests/test_muon.py): streaming the params changes where
+  # their rows are read and written, not the update.
   params, batches, loss = _scanned()
   tx = (optfuse.low_bit(optax.adamw(1e-2), bits=8) if which == "low_bit" else
         optax.contrib.muon(1e-2, muon_weight_dimension_numbers=optfuse.stacked_muon_dims))
-  got = _train(optfuse.fuse(tx, mode=mode, offload="params"), params, batches, loss, 10)
+  streamed = optfuse.fuse(tx, mode=mode, offload="params")
+  got = (_train(streamed, params, batches, loss, 10) if microbatches is None
+         else _train_microbatched(streamed, params, batches, loss, 10, k=microbatches))
   fx = optfuse.fuse(tx, mode=mode, offload="state")
-  want = models.run_steps(fx.value_and_update(loss), params, fx.init(models.copy(params)),
-                          batches, 10)
+  want = models.run_steps(fx.value_and_update(loss, microbatches=microbatches), params,
+                          fx.init(models.copy(params)), batches, 10)
   want = (want[0], *optfuse.to_optax_state(fx, want[1], want[2]))
   chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
                               **TOL)
@@ -227,7 +234,6 @@ def test_offload_params_refuses_mode_off_and_the_guard_and_says_what_runs_instea
 # to the sum (optax's loop adds, then divides), one rounding per step more than one batch: the
 # tolerance of tests/test_accumulate.py, where it is measured over 20 steps.
 MICROBATCH_TOL = dict(rtol=2e-5, atol=2e-5)
-K = 2
 
 
 def _optax_over_microbatches(tx, params, batches, steps, loss, k=K):
