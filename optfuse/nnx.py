@@ -74,6 +74,25 @@ class Optimizer(nnx.Optimizer[M]):
     >>> loss = train_step(model, optimizer, x, y)
     >>> optimizer.opt_state[0].mu["kernel"][...].sharding.memory_kind
     'pinned_host'
+
+    With the params of an ``nnx.scan`` stack in host memory too:
+
+    >>> class Stack(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     make = nnx.vmap(lambda r: nnx.Linear(2, 2, rngs=r), in_axes=0, out_axes=0)
+    ...     self.layers = nnx.split_rngs(splits=4)(make)(rngs)
+    ...   def __call__(self, x):
+    ...     run = nnx.scan(lambda h, layer: (jnp.tanh(layer(h)), None),
+    ...                    in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    ...     return run(x, self.layers)[0]
+    >>> stack = Stack(nnx.Rngs(0))
+    >>> stack_loss = lambda model, x: jnp.mean(model(x) ** 2)
+    >>> optimizer = optfuse.nnx.Optimizer(stack, optax.adam(1e-3), wrt=nnx.Param,
+    ...                                   offload="params")
+    >>> optimizer.params_to_host(stack, stack_loss, x)
+    >>> loss = nnx.jit(lambda m, o, x: o.value_and_update(m, stack_loss, x))(stack, optimizer, x)
+    >>> stack.layers.kernel[...].sharding.memory_kind
+    'pinned_host'
   """
 
   def __init__(self, model: M, tx: optax.GradientTransformation, *,
