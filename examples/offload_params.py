@@ -7,14 +7,18 @@ update), and the new rows go back to the host there. ``optfuse.params_to_host`` 
 params. This script
 
 1. trains a small scanned decoder for a few steps with its params streamed and checks it
-   against plain optax (the same params, on this machine's backend);
+   against plain optax (the same params, on this machine's backend), then evaluates its loss
+   on the params where they are (``optfuse.streamed``) and checks it against the loss on
+   device params;
 2. compiles a bench decoder for a target (default: Colab's TPU v5e, through the TPU compiler,
    without a TPU) in the fused modes without offload, with the state streamed and with the
-   params streamed too, and prints each step's device peak and host bytes.
+   params streamed too, and prints each step's device peak and host bytes; with
+   ``--microbatches k`` each step takes a batch of ``k`` sequences in ``k`` microbatches.
 
 Usage::
 
   python examples/offload_params.py --model 1.3b --target tpu-v5e
+  python examples/offload_params.py --model 1.3b --target tpu-v5e --microbatches 2
 """
 
 from __future__ import annotations
@@ -51,9 +55,14 @@ def train_check(steps: int) -> float:
     _, p, s = fused(p, s, *batch)
     q, t = reference(q, t)
   print("params live in:", jax.tree.map(lambda x: x.sharding.memory_kind, p))
+  # An evaluation on the params where they are: the scans read the host stacks row by row.
+  evaluated = jax.jit(optfuse.streamed(model.loss))(p, *batch)
+  print(f"loss evaluated on the host-resident params: {float(evaluated):.6f}, on optax's "
+        f"device params: {float(model.loss(q, *batch)):.6f}")
   p, s = optfuse.to_optax_state(fx, p, s)
   return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-             for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((q, t))))
+             for a, b in zip(jax.tree.leaves((evaluated, p, s)),
+                             jax.tree.leaves((model.loss(q, *batch), q, t))))
 
 
 def main() -> None:
@@ -63,17 +72,20 @@ def main() -> None:
   parser.add_argument("--layers", type=int, default=None, help="another depth")
   parser.add_argument("--target", default="tpu-v5e", help="compile target (optfuse.targets())")
   parser.add_argument("--steps", type=int, default=5, help="training steps of the check")
+  parser.add_argument("--microbatches", type=int, default=None,
+                      help="a batch of this many sequences, one per microbatch")
   args = parser.parse_args()
   print(f"trained {args.steps} steps with the params in host memory: largest difference from "
         f"optax {train_check(args.steps):.2e}")
   c = _suite.LARGE_DECODERS[f"decoder_{args.model}"]
-  c = c._replace(layers=args.layers or c.layers)
+  c = c._replace(layers=args.layers or c.layers, batch=args.microbatches or c.batch)
   model = _models.decoder(c, scanned=True, remat=True)
   params, batch = _models.abstract(model.params), _models.abstract(model.batch)
   for offload in (None, "state", "params"):
     print(f"\n{model.description}, AdamW, on {args.target}, offload={offload!r}:")
     print(optfuse.memory_report(model.loss, optax.adamw(1e-3), params, *batch,
-                                target=args.target, offload=offload))
+                                target=args.target, offload=offload,
+                                microbatches=args.microbatches))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from optfuse._analysis._memory import MemoryReport as MemoryReport
 from optfuse._analysis._memory import memory_report as memory_report
 from optfuse._analysis._params_memory import params_to_device as params_to_device
 from optfuse._analysis._params_memory import params_to_host as params_to_host
+from optfuse._analysis._params_memory import streamed as streamed
 from optfuse._analysis._slices import SliceFit as SliceFit
 from optfuse._analysis._slices import SliceReport as SliceReport
 from optfuse._analysis._slices import fsdp_axis as fsdp_axis

@@ -126,7 +126,8 @@ def fuse(tx: optax.GradientTransformation, mode: str | None = None,
       compiles it twice more (every loop fused; every fused leaf tapped; with several fused
       scans, once more per scan) for the platform it is traced for, and keeps the placement
       with the lowest compiled peak, so that fusion never peaks above taps (which peak at
-      optax's); ``describe(fx, ...).reasons`` says which loops it gave up and both peaks.
+      optax's); ``describe(fx, ...).reasons`` says which loops it gave up and both peaks. Not
+      with ``offload="params"``, whose stacks are read a row at a time only in their loops.
       ``False`` (default): every loop that can fuse is fused.
     options: the options as one ``FuseOptions``, in place of the keywords.
 
@@ -138,7 +139,8 @@ def fuse(tx: optax.GradientTransformation, mode: str | None = None,
       not ``None`` or "two_pass".
     OffloadError: ``offload`` is not ``None``, "state", "params" or "auto", or is given with
       ``global_ops``, or is "params" in mode "off", or "auto" outside backward mode.
-    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
+    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode or with
+      ``offload="params"``.
     OptionsError: ``options`` is given with a keyword that contradicts it.
 
   Examples:

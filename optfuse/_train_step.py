@@ -57,7 +57,11 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
       is created with it (``offload="state"``); a plain Flax ``TrainState`` needs its
       ``opt_state`` moved there once, out of ``jit``: ``state.replace(opt_state=
       optfuse.from_optax_state(optfuse.fuse(state.tx, offload="state"), state.params,
-      state.opt_state))``.
+      state.opt_state))``. ``"params"``: the param stacks of the fused loops too; an
+      ``optfuse.linen.TrainState`` places them with ``state.params_to_host(loss_fn, *args)``,
+      a plain Flax state with ``state.replace(params=optfuse.params_to_host(fx, loss_fn,
+      state.params, *args))`` for ``fx = optfuse.fuse(state.tx, offload="params")``, and its
+      ``opt_state`` as for ``"state"``; once, out of ``jit``.
 
   Returns:
     ``step(state, *args, **kwargs) -> (value, state)``: the loss (or ``(loss, aux)``) at the old
@@ -72,8 +76,8 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
     OptionsError: ``options`` and a keyword contradict each other (when ``train_step`` is
       called), or the options given contradict those of an ``optfuse.linen.TrainState`` (at the
       step).
-    OffloadError: ``offload="state"`` and a plain Flax state's slots are in device memory (at
-      the step).
+    OffloadError: ``offload`` is given and a plain Flax state's slots are in device memory, or
+      with ``offload="params"`` a param leaf is not where the step keeps it (at the step).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optfuse
@@ -111,7 +115,7 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
     if state.tx not in fused_by_tx:
       fused_by_tx[state.tx] = fuse_with(state.tx, resolved)
     if resolved.offload is not None:
-      _check_slots_on_host(state.opt_state)
+      _check_slots_on_host(state.opt_state, resolved.offload)
     update = fused_by_tx[state.tx].value_and_update(loss_fn, has_aux=has_aux,
                                                     microbatches=microbatches)
     value, params, opt_state = update(state.params, state.opt_state, *args, **kwargs)
@@ -133,12 +137,13 @@ def _check_agrees_with_state(options: FuseOptions, given: dict) -> None:
         f"state with the options you want.")
 
 
-def _check_slots_on_host(opt_state) -> None:
+def _check_slots_on_host(opt_state, offload: str) -> None:
   try:
     _memory_spaces.check_on_host(opt_state)
   except OffloadError as e:
     raise OffloadError(
-        f"{e} With optfuse.train_step(offload='state') on a flax TrainState, move its opt_state "
-        "to the host once, outside jit: state.replace(opt_state=optfuse.from_optax_state("
-        "optfuse.fuse(state.tx, offload='state'), state.params, state.opt_state)), or create "
-        "the state with optfuse.linen.TrainState.create(..., offload='state').") from None
+        f"{e} With optfuse.train_step(offload={offload!r}) on a flax TrainState, move its "
+        "opt_state to the host once, outside jit: state.replace(opt_state=optfuse."
+        f"from_optax_state(optfuse.fuse(state.tx, offload={offload!r}), state.params, "
+        "state.opt_state)), or create the state with optfuse.linen.TrainState.create(..., "
+        f"offload={offload!r}).") from None

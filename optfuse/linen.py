@@ -11,7 +11,10 @@ fields (the fusion ``options`` and the cached fused transformation) and one more
 Everything else is Flax's: ``opt_state`` keeps optax's layout (in "backward" and "off" mode),
 ``apply_gradients`` and ``replace`` work, and the class can be subclassed to carry more fields
 (``batch_stats``...) exactly like Flax's. With ``offload="state"`` the slots of ``opt_state``
-live in host memory, where ``create`` puts them and every step leaves them.
+live in host memory, where ``create`` puts them and every step leaves them. With
+``offload="params"`` the param stacks of the fused loops live there too: ``create`` cannot know
+which (they are the loss's), so ``state.params_to_host(loss_fn, *args)`` places them once,
+before the first step, and every step leaves them there.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from flax import struct
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from optfuse._analysis import _params_memory
 from optfuse._base import _memory_spaces
 from optfuse._base._errors import ParamsStructureError
 from optfuse._base._options import FuseOptions
@@ -43,7 +47,8 @@ class TrainState(train_state.TrainState):
     options: the ``optfuse.FuseOptions`` of ``create`` (static: part of the jit cache key);
       ``mode``, ``global_ops``, ``guard`` and ``offload`` read them. With ``offload="state"``
       the slots of ``opt_state`` (Adam's ``mu`` and ``nu``) live in ``pinned_host`` memory,
-      streamed through the fused step (see ``optfuse.fuse``).
+      streamed through the fused step (see ``optfuse.fuse``); with ``offload="params"`` the
+      param stacks of its fused loops too, once ``params_to_host`` has placed them.
     fused: the ``optfuse.fuse(tx, options=options)`` transformation, built
       once by ``create`` and carried along by ``replace`` so that its update plans are cached
       across steps.
@@ -72,6 +77,25 @@ class TrainState(train_state.TrainState):
     >>> loss, state = step(state, x, y)
     >>> state.opt_state[0].mu["kernel"].sharding.memory_kind
     'pinned_host'
+
+    With the params of a scanned stack in host memory too:
+
+    >>> class Layer(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, h, _):
+    ...     return jnp.tanh(nn.Dense(3)(h)), None
+    >>> stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+    ...                 length=4)()
+    >>> params = stack.init(jax.random.key(0), x, None)["params"]
+    >>> def stack_loss(params, x):
+    ...   return jnp.mean(stack.apply({"params": params}, x, None)[0] ** 2)
+    >>> state = optfuse.linen.TrainState.create(
+    ...     apply_fn=stack.apply, params=params, tx=optax.adam(1e-3), offload="params")
+    >>> state = state.params_to_host(stack_loss, x)
+    >>> loss, state = jax.jit(lambda s, x: s.value_and_update(stack_loss, x),
+    ...                       donate_argnums=0)(state, x)
+    >>> state.params["Dense_0"]["kernel"].sharding.memory_kind
+    'pinned_host'
   """
 
   options: FuseOptions = struct.field(pytree_node=False, default=FuseOptions(), kw_only=True)
@@ -95,7 +119,8 @@ class TrainState(train_state.TrainState):
 
   @property
   def offload(self) -> str | None:
-    """``None`` or ``"state"``: the slots of ``opt_state`` in ``pinned_host`` memory."""
+    """``None``, ``"state"`` (the slots of ``opt_state`` in ``pinned_host`` memory) or
+    ``"params"`` (the param stacks of the fused loops too)."""
     return self.options.offload
 
   @classmethod
@@ -121,7 +146,10 @@ class TrainState(train_state.TrainState):
         ``optfuse.fuse``).
       offload: ``"state"`` creates ``opt_state`` with its slots in ``pinned_host`` memory,
         where the fused step streams them from and leaves them (``fuse``'s ``init`` placement);
-        not with ``global_ops``. ``None`` (default): on the device.
+        not with ``global_ops``. ``"params"``: the same, and the step streams the param stacks
+        of its fused loops from host memory too, where ``params_to_host`` places them
+        (``params`` as given until then); not in mode "off". ``None`` (default): on the
+        device.
       **kwargs: the other fields of a subclass (``batch_stats=...``).
 
     Returns:
@@ -129,9 +157,9 @@ class TrainState(train_state.TrainState):
 
     Raises:
       UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
-      OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with
-        ``global_ops``.
-      GuardError: ``guard`` is ``True`` outside backward mode.
+      OffloadError: ``offload`` is not ``None``, ``"state"`` or ``"params"``, or is given
+        with ``global_ops``, or is ``"params"`` in mode "off".
+      GuardError: ``guard`` is ``True`` outside backward mode or with ``offload="params"``.
       OptionsError: ``options`` is given with a keyword that contradicts it.
       ParamsStructureError: ``params`` holds fp8 overwrite-with-gradient params, which are not
         trained by ``tx`` and cannot be fused.
@@ -145,6 +173,29 @@ class TrainState(train_state.TrainState):
     return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=fused.init(params),
                options=fused.options, fused=fused, **kwargs)
 
+  def params_to_host(self, loss_fn: Callable, *args, **kwargs) -> TrainState:
+    """The state with its params where its step keeps them (``optfuse.params_to_host``): with
+    ``offload="params"``, the leaves the step updates in a fused loop in host memory and the
+    others on the device; with another ``offload``, every leaf on the device.
+
+    Call it once, outside ``jax.jit``, before the first step: a jitted step with donation
+    cannot move a leaf to another memory (XLA would alias the donated buffer to an output in
+    the other one), so it raises ``OffloadError`` on params placed otherwise.
+
+    Args:
+      loss_fn: the loss the state's steps run, as given to ``value_and_update``.
+      *args: its other arguments (arrays or ``jax.ShapeDtypeStruct`` values), as given to
+        ``value_and_update``.
+      **kwargs: its keyword arguments; ``microbatches=`` (a reserved keyword) when the steps
+        take microbatches.
+
+    Returns:
+      The state with its params placed.
+    """
+    fused = self._fused()
+    return self.replace(params=_params_memory.params_to_host(fused, loss_fn, self.params, *args,
+                                                             **kwargs), fused=fused)
+
   def _fused(self) -> FusedTransformation:
     if (self.fused is not None and self.fused.tx is self.tx
         and self.fused.options == self.options):
@@ -156,7 +207,7 @@ class TrainState(train_state.TrainState):
 
     With ``offload="state"`` the slots are fetched whole to the device for optax's update and
     the new ones written back to host memory (``mode="off"``'s step), since JAX computes on
-    device arrays only.
+    device arrays only; with ``offload="params"`` the params in host memory too.
 
     Args:
       grads: gradients with the structure of ``params``.
@@ -167,9 +218,11 @@ class TrainState(train_state.TrainState):
     """
     if self.offload is None:
       return super().apply_gradients(grads=grads, **kwargs)
-    on_device = self.replace(opt_state=_memory_spaces.tree_to_device(self.opt_state))
+    on_device = self.replace(opt_state=_memory_spaces.tree_to_device(self.opt_state),
+                             params=_memory_spaces.tree_to_device(self.params))
     new = super(TrainState, on_device).apply_gradients(grads=grads, **kwargs)
-    return new.replace(opt_state=_memory_spaces.tree_like(new.opt_state, self.opt_state))
+    return new.replace(opt_state=_memory_spaces.tree_like(new.opt_state, self.opt_state),
+                       params=_memory_spaces.tree_like(new.params, self.params))
 
   def value_and_update(self, loss_fn: Callable, *args, has_aux: bool = False,
                        microbatches: int | None = None, **kwargs) -> tuple[Any, TrainState]:

@@ -9,7 +9,10 @@ split once into the trained params (the ``wrt`` variables of the model), the oth
 the rest. The loss merges them back inside the fused step and returns the variables it changed,
 which are written back into the caller's objects with ``nnx.update``, as are the new params and
 optimizer state. With ``offload="state"`` the slots of the optimizer state live in host memory,
-where the constructor puts them and every step leaves them.
+where the constructor puts them and every step leaves them. With ``offload="params"`` the
+param stacks of the fused loops (an ``nnx.scan`` over ``nnx.vmap``-built blocks) live there too:
+``optimizer.params_to_host(model, loss_fn, *args)`` moves them once, before the first step, and
+every step leaves them there.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx.training import optimizer as nnx_optimizer
 
+from optfuse._analysis import _params_memory
 from optfuse._base import _leaves, _memory_spaces
 from optfuse._base._checks import check_loss
 from optfuse._base._errors import MicrobatchError
@@ -43,7 +47,9 @@ class Optimizer(nnx.Optimizer[M]):
   Attributes:
     options: the ``optfuse.FuseOptions`` of the constructor; ``mode``, ``global_ops``,
       ``guard`` and ``offload`` read them. With ``offload="state"`` the slots of ``opt_state``
-      live in ``pinned_host`` memory, streamed through the fused step (see ``optfuse.fuse``).
+      live in ``pinned_host`` memory, streamed through the fused step (see ``optfuse.fuse``);
+      with ``offload="params"`` the model's param stacks of the fused loops too, once
+      ``params_to_host`` has moved them.
     fused: the ``optfuse.fuse(tx, options=options)`` transformation; it
       caches the update plans.
 
@@ -67,6 +73,25 @@ class Optimizer(nnx.Optimizer[M]):
     ...                                   offload="state")
     >>> loss = train_step(model, optimizer, x, y)
     >>> optimizer.opt_state[0].mu["kernel"][...].sharding.memory_kind
+    'pinned_host'
+
+    With the params of an ``nnx.scan`` stack in host memory too:
+
+    >>> class Stack(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     make = nnx.vmap(lambda r: nnx.Linear(2, 2, rngs=r), in_axes=0, out_axes=0)
+    ...     self.layers = nnx.split_rngs(splits=4)(make)(rngs)
+    ...   def __call__(self, x):
+    ...     run = nnx.scan(lambda h, layer: (jnp.tanh(layer(h)), None),
+    ...                    in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    ...     return run(x, self.layers)[0]
+    >>> stack = Stack(nnx.Rngs(0))
+    >>> stack_loss = lambda model, x: jnp.mean(model(x) ** 2)
+    >>> optimizer = optfuse.nnx.Optimizer(stack, optax.adam(1e-3), wrt=nnx.Param,
+    ...                                   offload="params")
+    >>> optimizer.params_to_host(stack, stack_loss, x)
+    >>> loss = nnx.jit(lambda m, o, x: o.value_and_update(m, stack_loss, x))(stack, optimizer, x)
+    >>> stack.layers.kernel[...].sharding.memory_kind
     'pinned_host'
   """
 
@@ -92,14 +117,16 @@ class Optimizer(nnx.Optimizer[M]):
         ``optfuse.fuse``).
       offload: ``"state"`` builds the optimizer state with its slots in ``pinned_host``
         memory, where the fused step streams them from and leaves them (``fuse``'s ``init``
-        placement); not with ``global_ops``. ``None`` (default): on the device.
+        placement); not with ``global_ops``. ``"params"``: the same, and the step streams the
+        model's param stacks of its fused loops from host memory too, where
+        ``params_to_host`` moves them; not in mode "off". ``None`` (default): on the device.
       graph: NNX graph mode (``True``) or tree mode (``False``); ``None``: NNX's current mode.
 
     Raises:
       UnknownModeError: ``mode`` or ``global_ops`` is not a fusion mode.
-      OffloadError: ``offload`` is not ``None`` or ``"state"``, or is given with
-        ``global_ops``.
-      GuardError: ``guard`` is ``True`` outside backward mode.
+      OffloadError: ``offload`` is not ``None``, ``"state"`` or ``"params"``, or is given
+        with ``global_ops``, or is ``"params"`` in mode "off".
+      GuardError: ``guard`` is ``True`` outside backward mode or with ``offload="params"``.
       OptionsError: ``options`` is given with a keyword that contradicts it.
     """
     fused = fuse(tx, mode, global_ops, offload, guard, options=options)
@@ -137,7 +164,8 @@ class Optimizer(nnx.Optimizer[M]):
 
   @property
   def offload(self) -> str | None:
-    """``None`` or ``"state"``: the slots of ``opt_state`` in ``pinned_host`` memory."""
+    """``None``, ``"state"`` (the slots of ``opt_state`` in ``pinned_host`` memory) or
+    ``"params"`` (the model's param stacks of the fused loops too)."""
     return self.options.offload
 
   def update(self, model: M, grads, /, **kwargs) -> optax.Updates:
@@ -145,7 +173,7 @@ class Optimizer(nnx.Optimizer[M]):
 
     With ``offload="state"`` the slots are fetched whole to the device for optax's update and
     the new ones written back to host memory (``mode="off"``'s step), since JAX computes on
-    device arrays only.
+    device arrays only; with ``offload="params"`` the model's params in host memory too.
 
     Args:
       model: the module this optimizer was built for.
@@ -158,9 +186,13 @@ class Optimizer(nnx.Optimizer[M]):
     if self.offload is None:
       return super().update(model, grads, **kwargs)
     on_host = nnx.as_pure(self.opt_state)
+    params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     self._write_opt_state(_memory_spaces.tree_to_device(on_host))
+    nnx.update(model, _memory_spaces.tree_to_device(params))
     updates = super().update(model, grads, **kwargs)
     self._write_opt_state(_memory_spaces.tree_like(nnx.as_pure(self.opt_state), on_host))
+    new_params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+    nnx.update(model, _memory_spaces.tree_like(new_params, params))
     return updates
 
   def _fused_opt_state(self):
@@ -208,6 +240,21 @@ class Optimizer(nnx.Optimizer[M]):
           "model's variables (BatchNorm statistics, RNG counters) travel with the step's "
           "arguments, which a microbatch split would cut. Use optfuse.linen.TrainState or "
           "optfuse.fuse(tx).value_and_update(loss_fn, microbatches=k) on nnx.split's params.")
+    pure_loss, (params, variables, rest) = self._pure(model, loss_fn, args, kwargs, has_aux)
+    step = self.fused.value_and_update(pure_loss, has_aux=True)
+    (loss, (aux, new_variables)), new_params, new_opt_state = step(
+        params, self._fused_opt_state(), variables, rest)
+    nnx.update(model, new_params)
+    nnx.update((model, args, kwargs), new_variables)
+    self._write_opt_state(new_opt_state)
+    self.step[...] += 1
+    return (loss, aux) if has_aux else loss
+
+  def _pure(self, model: M, loss_fn: Callable, args: tuple, kwargs: dict, has_aux: bool
+            ) -> tuple[Callable, tuple]:
+    """``(pure_loss, (params, variables, rest))``: ``loss_fn`` on ``model`` as a function of
+    the trained params (arrays), the other variables and the rest of ``(model, args, kwargs)``,
+    returning ``(loss, (aux, new variables))``, and those inputs."""
     trained = filterlib.to_predicate(self.wrt)
 
     def in_model_and_trained(path, value) -> bool:
@@ -225,14 +272,29 @@ class Optimizer(nnx.Optimizer[M]):
           (model_, args_, kwargs_), in_model_and_trained, nnx.Variable, ..., **graph_kw)
       return loss, (aux, nnx.as_pure(new_variables))
 
-    step = self.fused.value_and_update(pure_loss, has_aux=True)
-    (loss, (aux, new_variables)), new_params, new_opt_state = step(
-        nnx.as_pure(params[0]), self._fused_opt_state(), nnx.as_pure(variables), rest)
-    nnx.update(model, new_params)
-    nnx.update((model, args, kwargs), new_variables)
-    self._write_opt_state(new_opt_state)
-    self.step[...] += 1
-    return (loss, aux) if has_aux else loss
+    return pure_loss, (nnx.as_pure(params[0]), nnx.as_pure(variables), rest)
+
+  def params_to_host(self, model: M, loss_fn: Callable, *args, has_aux: bool = False,
+                     **kwargs) -> None:
+    """Moves the model's params where the optimizer's step keeps them
+    (``optfuse.params_to_host``): with ``offload="params"``, the ``wrt`` variables the step
+    updates in a fused loop to host memory and the others to the device; with another
+    ``offload``, every one to the device.
+
+    Call it once, outside ``nnx.jit``, before the first step: a jitted step with donation
+    cannot move a variable to another memory (XLA would alias the donated buffer to an output
+    in the other one), so it raises ``OffloadError`` on params placed otherwise.
+
+    Args:
+      model: the module this optimizer was built for.
+      loss_fn: the loss its steps run, as given to ``value_and_update``.
+      *args: its other arguments, as given to ``value_and_update``.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      **kwargs: its keyword arguments.
+    """
+    pure_loss, (params, variables, rest) = self._pure(model, loss_fn, args, kwargs, has_aux)
+    placed = _params_memory.params_to_host(self.fused, pure_loss, params, variables, rest)
+    nnx.update(model, placed)
 
   def flush(self, model: M) -> None:
     """Applies a pending forward-mode update to ``model`` (a no-op in the other modes).

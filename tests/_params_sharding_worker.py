@@ -9,10 +9,12 @@ The scanned MLP of ``_sharding_worker.py``, seven layers deep (six stacked block
 fused loops take), on each layout of ``LAYOUTS`` (Auto mesh axes): data parallel (params and
 AdamW state replicated) and FSDP (sharded along "fsdp"). Each runs plain optax, then backward
 and forward fusion with ``offload="params"``, each leaf its fused loop streams in
-host memory and sharded like its device-resident twin. For each the worker records the output
-shardings that differ from the inputs', the all-gathers of its compiled HLO and the memory kinds
-of the params it returns, trains ``N`` steps, and writes ``OUT_DIR/report.json`` and the
-losses and final params and state (on the device) to ``OUT_DIR/results.npz``.
+host memory and sharded like its device-resident twin; then the same three with two
+microbatches (``*_mb``: optax's mean of the two microbatch gradients, then one update). For
+each the worker records the output shardings that differ from the inputs', the all-gathers of
+its compiled HLO and the memory kinds of the params it returns, trains ``N`` steps, and writes
+``OUT_DIR/report.json`` and the losses and final params and state (on the device) to
+``OUT_DIR/results.npz``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,21 @@ import _sharding_worker as worker  # noqa: E402
 import optfuse  # noqa: E402
 
 DEPTH = 7
-IMPLS = ("optax", "backward", "forward")
+IMPLS = ("optax", "backward", "forward", "optax_mb", "backward_mb", "forward_mb")
+MICROBATCHES = 2
+
+
+def _optax_microbatched(loss):
+  """optax's step on the mean gradient of ``MICROBATCHES`` slices of the batch."""
+  def step(params, state, x, y):
+    xs, ys = (a.reshape(MICROBATCHES, -1, *a.shape[1:]) for a in (x, y))
+    grads = [jax.value_and_grad(loss)(params, xs[i], ys[i]) for i in range(MICROBATCHES)]
+    mean = jax.tree.map(lambda *g: sum(g) / MICROBATCHES, *[g for _, g in grads])
+    updates, state = worker.TX.update(mean, state, params)
+    value = sum(v for v, _ in grads) / MICROBATCHES
+    return value, optax.apply_updates(params, updates), state
+
+  return step
 LAYOUTS = ("fsdp", "data_parallel")
 
 
@@ -52,21 +68,24 @@ def run(layout: str, impl: str, steps: int) -> tuple[dict, dict]:
   loss = functools.partial(worker.loss_fn, model="scan")
   params = worker.init_params("scan", 32)
   data = worker.batches(steps)
-  if impl == "optax":
-    initable, step, placed = worker.TX, worker.optax_step(loss), params
+  mode, microbatched = impl.removesuffix("_mb"), impl.endswith("_mb")
+  if mode == "optax":
+    initable, placed = worker.TX, params
+    step = _optax_microbatched(loss) if microbatched else worker.optax_step(loss)
   else:
-    fx = optfuse.fuse(worker.TX, impl, offload="params")
-    initable, step = fx, fx.value_and_update(loss)
+    fx = optfuse.fuse(worker.TX, mode, offload="params")
+    initable = fx
+    step = fx.value_and_update(loss, microbatches=MICROBATCHES if microbatched else None)
     placed = optfuse.params_to_host(fx, loss, params, *data[0])
   state = initable.init(params)
-  opt_state = state.opt_state if impl == "forward" else state
+  opt_state = state.opt_state if mode == "forward" else state
   with jax.set_mesh(mesh):
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                                    worker.param_specs(params, layout))
     state_shardings = optax.tree_utils.tree_map_params(
         worker.TX, lambda _, sharding: sharding, opt_state, param_shardings,
         transform_non_params=lambda _: NamedSharding(mesh, P()))
-    if impl == "forward":
+    if mode == "forward":
       state_shardings = optfuse.ForwardState(state_shardings, param_shardings,
                                              NamedSharding(mesh, P()))
     params = jax.device_put(placed, _host_like(param_shardings, placed))
@@ -84,7 +103,7 @@ def run(layout: str, impl: str, steps: int) -> tuple[dict, dict]:
       value, params, state = jax.block_until_ready(jitted(params, state, *data[t]))
       losses.append(value)
     kinds = jax.tree.map(lambda x: x.sharding.memory_kind, params)
-    if impl != "optax":
+    if mode != "optax":
       params, state = optfuse.to_optax_state(fx, params, state)
   report = {"resharded": moved, "all_gathers": worker.all_gathers(compiled.as_text()),
             "memory_kinds": kinds}

@@ -13,6 +13,7 @@ from optfuse._analysis import _streams, _transfers
 from optfuse._base import _checks, _leaves, _memory_spaces
 from optfuse._base._errors import NonSeparableError, OptionsError
 from optfuse._base._options import FuseOptions
+from optfuse._engines import _engine
 from optfuse._optimizers import _muon_dims
 from optfuse._plan import _make, _row_checks
 from optfuse._targets import _inputs
@@ -109,8 +110,9 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     ``state`` says where each leaf's optimizer-state slots live: ``"host"`` with
     ``offload="state"`` (or ``"params"``, or where the ``plan`` of ``offload="auto"`` streams
     it), else ``"device"``; its ``params`` where each float param leaf lives: ``"host"`` for a
-    leaf placed ``"loop"`` with ``offload="params"`` (or streamed ``"params"`` by the plan),
-    else ``"device"``. Its ``warnings`` name the stacked leaves a Muon
+    leaf placed ``"loop"`` with ``offload="params"`` (with microbatches, for a leaf placed
+    ``"rows"`` that each microbatch's loops stream; with ``offload="auto"``, streamed
+    ``"params"`` by the plan), else ``"device"``. Its ``warnings`` name the stacked leaves a Muon
     (``optax.contrib.muon``) leaves to its AdamW fallback while of rank 3 or more, or
     orthogonalises across their layers, and say what to do: pass
     ``muon_weight_dimension_numbers=optfuse.stacked_muon_dims`` (in the modes that fuse loops,
@@ -149,7 +151,8 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
   # ``eval_shape``'s outputs drop.
   jax.eval_shape(lambda p, a, kw: found.append(step(p, fx.init(p), *a, **kw)[1]),
                  params, args, kwargs)
-  placed, reasons = found[0]
+  placed, reasons, _ = found[0]
+  streamed = _engine.streamed_params(found[0]) if fx.offload == "params" else frozenset()
   unplaced = fx.value_and_update.engine.unplaced
   diff = {i for i, p in enumerate(leaves) if _leaves.is_float(p)}
   label = lambda i: placed.get(i, unplaced) if i in diff else "carried"
@@ -165,8 +168,7 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     where_state = {path: "host" if streams.get(path, "none") != "none" else "device"
                    for path in _state_memory(fx.tx, params, paths, diff, False)}
   else:
-    where_params = {paths[i]: "host" if fx.offload == "params" and label(i) == "loop"
-                    else "device" for i in sorted(diff)}
+    where_params = {paths[i]: "host" if i in streamed else "device" for i in sorted(diff)}
     where_state = _state_memory(fx.tx, params, paths, diff, offload)
   return Placements({path: label(i) for i, path in enumerate(paths)},
                     {paths[i]: why for i, why in reasons.items()

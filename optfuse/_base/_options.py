@@ -51,9 +51,9 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
     ``None`` when the combination runs; else the error, not raised, whose message names the
     option and what to pass instead: ``UnknownModeError`` (a mode or ``global_ops`` that does
     not exist), ``OffloadError`` (an unknown ``offload``, an ``offload`` with ``global_ops``,
-    ``offload="params"`` in mode "off" or with microbatches, ``offload="auto"`` outside backward
-    mode, with ``global_ops`` or with microbatches), ``GuardError`` (a ``guard``
-    that is not a bool, ``True`` outside backward mode, or ``True`` with microbatches),
+    ``offload="params"`` in mode "off", ``offload="auto"`` outside backward mode, with
+    ``global_ops`` or with microbatches), ``GuardError`` (a ``guard`` that is not a bool, ``True``
+    outside backward mode, with ``offload="params"`` or with microbatches),
     ``MicrobatchError`` (``microbatches`` is not a positive int or ``None``).
   """
   if mode not in MODES:
@@ -94,18 +94,20 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
   if guard and mode != "backward":
     return GuardError(f'guard=True guards the loops of mode="backward", not mode={mode!r}; use '
                       'mode="backward", or guard=False.')
+  if guard and offload == "params":
+    return GuardError(
+        'guard=True keeps a loop only where it lowers the peak, else takes its leaves out of '
+        'it, and with offload="params" the leaves of the loops are those in host memory, read '
+        'a row at a time: out of its loop a stack would be read whole, on the device, which is '
+        'what offload="params" avoids (and the guard\'s probes compile the params on the '
+        'device). Use guard=False with offload="params", or guard=True with offload="state".')
   if microbatches is not None and not is_positive_int(microbatches):
     return MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
-  if offload == "params" and microbatches is not None and microbatches > 1:
-    return OffloadError(
-        "offload='params' streams params through the loops of one backward pass; with "
-        "microbatches the update after the accumulation loop would read the whole stacks. "
-        "Use offload='state' with microbatches, or microbatches=None.")
   if offload == "auto" and microbatches is not None and microbatches > 1:
     return OffloadError(
-        "offload='auto' may stream params through the loops of one backward pass; with "
-        "microbatches the update after the accumulation loop would read the whole stacks. "
-        "Use offload='state' with microbatches, or microbatches=None.")
+        "offload='auto' plans what to stream from the compiled peaks of one backward pass, "
+        "without microbatches. With microbatches choose the placement yourself: "
+        "offload='state' or offload='params'; or use microbatches=None.")
   if guard and microbatches is not None and microbatches > 1:
     return GuardError(
         f"guard=True chooses between fusing the update in the loops of the loss and tapping it, "
@@ -143,7 +145,8 @@ class FuseOptions:
       ``None`` or "two_pass".
     OffloadError: ``offload`` is not ``None``, "state", "params" or "auto", or is given with
       ``global_ops``, or is "params" in mode "off", or "auto" outside backward mode.
-    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode.
+    GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode or with
+      ``offload="params"``.
 
   Examples:
     >>> import optax, optfuse
@@ -178,7 +181,7 @@ class FuseOptions:
     Raises:
       MicrobatchError: ``microbatches`` is not a positive int or ``None``.
       GuardError: ``guard=True`` with more than one microbatch.
-      OffloadError: ``offload="params"`` or ``"auto"`` with more than one microbatch.
+      OffloadError: ``offload="auto"`` with more than one microbatch.
     """
     error = refusal(self.mode, self.global_ops, self.offload, self.guard, microbatches)
     if error is not None:

@@ -66,12 +66,14 @@ class BackwardEngine:
     if microbatches == 1:
       return lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
                                                                args, kwargs, refused)
-    accumulated = _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans)
+    accumulated = _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans,
+                                         stream_params=self.options.offload == "params")
 
     def step(params, state, *args, **kwargs):
-      out, (rows, stacked) = accumulated(loop_policy(), params, state, *args, **kwargs)
+      out, (rows, stacked, streamed) = accumulated(loop_policy(), params, state, *args, **kwargs)
       floats = [i for i, p in enumerate(jax.tree.leaves(params)) if _leaves.is_float(p)]
-      return out, microbatched(rows, stacked, floats, microbatches, before=False)
+      return out, microbatched(rows, stacked, floats, microbatches, before=False,
+                               streamed=streamed)
 
     return step
 

@@ -33,10 +33,20 @@ class Placed(NamedTuple):
       ``unplaced``.
     reasons: leaf index -> why a leaf that a scan reads as its stacked input is not updated in
       the loop.
+    streamed: with ``offload="params"`` and microbatches, the leaves whose params the step
+      keeps in host memory: read a row at a time by each microbatch's loops, and updated row
+      by row after them (``streamed_params``).
   """
 
   where: dict[int, str]
   reasons: dict[int, str]
+  streamed: frozenset[int] = frozenset()
+
+
+def streamed_params(placed: Placed) -> frozenset[int]:
+  """The param leaves a step with ``offload="params"`` keeps in host memory: those it updates
+  in a fused loop, and with microbatches those its ``Placed`` names ``streamed``."""
+  return placed.streamed | {i for i, where in placed.where.items() if where == "loop"}
 
 
 # ``step(params, state, *args, **kwargs) -> ((value, params, state), Placed)``: a step that
@@ -56,17 +66,17 @@ def without_placements(step: PlacedStep) -> Step:
 
 
 def microbatched(rows: Iterable[int], stacked: Iterable[int], float_leaves: Iterable[int],
-                 microbatches: int, before: bool) -> Placed:
+                 microbatches: int, before: bool, streamed: Iterable[int] = ()) -> Placed:
   """The placements of a step over ``microbatches``: its update runs once, outside the loop
   over microbatches (``before`` it in forward mode, after it otherwise), row by row in place
   for the leaves of ``rows`` and whole for the others; no leaf is updated in a loop of the
-  loss."""
+  loss. The params of ``streamed`` (a part of ``rows``) live in host memory."""
   rows, floats = frozenset(rows), frozenset(float_leaves)
   when = "before" if before else "after"
   why = (f"with microbatches={microbatches} the update runs once, {when} the loop over the "
          "microbatches, not in the loops of the loss")
   return Placed({i: "rows" if i in rows else "leaf" for i in sorted(floats)},
-                dict.fromkeys(sorted(frozenset(stacked) & floats), why))
+                dict.fromkeys(sorted(frozenset(stacked) & floats), why), frozenset(streamed))
 
 
 class Engine(Protocol):

@@ -134,7 +134,8 @@ def apply_pending(plan: Plan, policy: LoopPolicy, params, state: ForwardState,
 
 
 def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
-                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int):
+                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int,
+                     stream_params: bool = False):
   """A forward-fused step over ``microbatches`` slices of the batch: ``(value, params, state)``.
 
   The pending update is applied first (stacked leaves row by row in place, or whole in place
@@ -144,6 +145,11 @@ def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   accumulation loop. The loss is divided by ``microbatches``, so the buffer ends with the mean
   gradient and the values sum to the mean loss, as ``mode="off"`` computes them; the aux is
   stacked along a leading axis.
+
+  With ``stream_params`` (``offload="params"``) the params of ``_accumulate.streamed_leaves``
+  live in host memory: the pending update writes their new rows there (they are rows: their
+  pending gradient is in host memory too), and each microbatch's loops read them a row at a
+  time.
   """
   k = microbatches
   scaled = _accumulate.scale_loss(loss_fn, has_aux, k)
@@ -154,6 +160,9 @@ def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   from_cut, rows = stacked_updates(plan, axes, jax.tree.leaves(state.opt_state), param_leaves,
                                   plan.params_def.flatten_up_to(state.pending_grads),
                                   policy.forward_stacked_rows)
+  streamed = (_accumulate.streamed_leaves(analysis, plan, jax.tree.leaves(state.opt_state),
+                                          param_leaves, in_remat=False) if stream_params
+              else frozenset())
   params, opt_state, _, buffers = apply_pending(plan, policy, params, state, rows, axes=axes,
                                                 from_cut=from_cut)
 
@@ -163,20 +172,29 @@ def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
 
   # The new sum starts in the buffers of the pending gradient (of the cut gradients that
   # took them over), once the update has read them.
-  # A sum in host memory (``offload="state"``) starts as zeros moved there.
-  zeros = jax.tree.map(lambda g, p: (like(value_after(jnp.zeros(g.shape, g.dtype), p), g)
-                                     if is_host(g) else value_after(jnp.zeros_like(g), p, g)),
-                       jax.tree.unflatten(plan.params_def, buffers), params)
+  # A sum in host memory (``offload="state"``) starts as zeros there: a stacked leaf's written a
+  # row at a time over its pending gradient (``_accumulate.zeros_in_host``; whole, they would
+  # be whole on the device first), another's moved there once its param is updated.
+  def zeros_like(i, g, p):
+    if not is_host(g):
+      return value_after(jnp.zeros_like(g), p, g)
+    if i in axes:
+      return _accumulate.zeros_in_host(policy, g, axes[i])
+    return like(value_after(jnp.zeros(g.shape, g.dtype), p), g)
+
+  zeros = jax.tree.unflatten(plan.params_def, [
+      zeros_like(i, g, p) for i, (g, p) in enumerate(zip(buffers,
+                                                         plan.params_def.flatten_up_to(params)))])
   acc, values = lax.scan(body, zeros, batches)
   floats = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
   return ((_accumulate.sum_value(values, has_aux), params,
            _next_state(opt_state, acc, state.pending_grads)),
-          microbatched(rows, axes, floats, microbatches, before=True))
+          microbatched(rows, axes, floats, microbatches, before=True, streamed=streamed))
 
 
 def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux: bool, params,
-                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int = 1
-                     ) -> tuple[tuple[Any, Any, Any], Placed]:
+                     state: ForwardState, args: tuple, kwargs: dict, microbatches: int = 1,
+                     stream_params: bool = False) -> tuple[tuple[Any, Any, Any], Placed]:
   """One forward-fused step: ``((value, params, state), placed)``.
 
   Args:
@@ -192,6 +210,9 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
     kwargs: keyword arguments of ``loss_fn``.
     microbatches: split the batch (the leading axis of every array argument) into this many
       slices and keep their mean gradient, as ``mode="off"`` does.
+    stream_params: ``offload="params"``, with microbatches: the step streams the params of
+      ``_accumulate.streamed_leaves`` (``_microbatch_step``); without them the streamed params
+      are the "loop" leaves, whose rows every loop reads wherever they live.
 
   Returns:
     ``((value, params, state), placed)``: the loss (or ``(loss, aux)``) at the updated params,
@@ -200,7 +221,7 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   """
   if microbatches > 1:
     return _microbatch_step(plan, policy, loss_fn, has_aux, params, state, args, kwargs,
-                            microbatches)
+                            microbatches, stream_params)
   where = schedule(plan, loss_fn, params, state, args, kwargs, policy.forward_stacked_rows)
   # The new gradient is the state of a backward-fused ``capture()`` step: each leaf's gradient
   # (each row of a scanned leaf, inside the backward loop) is written into the buffer of the
@@ -322,7 +343,7 @@ class ForwardEngine:
       check_forward_state(self.tx, params, state)
       plan = self.plans(params, state.opt_state)
       return value_and_update(plan, loop_policy(), loss_fn, has_aux, params, state, args,
-                              kwargs, microbatches)
+                              kwargs, microbatches, self.options.offload == "params")
 
     return step
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from optfuse._base import _memory_spaces
-from optfuse._engines._engine import Engine, Placed, PlacedStep
+from optfuse._engines._engine import Engine, Placed, PlacedStep, streamed_params
 
 
 class OffloadEngine:
@@ -80,10 +80,10 @@ class OffloadEngine:
 
 def with_params_placed(step: PlacedStep, mixed: bool = False) -> PlacedStep:
   """``step`` of ``offload="params"``, refusing params not where it keeps them: it raises
-  ``OffloadError`` unless exactly the leaves its trace placed in a fused loop are in host memory
-  (``_memory_spaces.check_params_placed``); ``mixed`` (``offload="auto"``): unless every leaf in
-  host memory is one of those. ``describe`` traces the step without this check: it says where
-  the params go, wherever they are."""
+  ``OffloadError`` unless exactly the leaves its trace streams (``streamed_params``: those it
+  placed in a fused loop) are in host memory (``_memory_spaces.check_params_placed``); ``mixed``
+  (``offload="auto"``): unless every leaf in host memory is one of those. ``describe`` traces
+  the step without this check: it says where the params go, wherever they are."""
 
   def checked(params, *args, **kwargs):
     try:
@@ -101,8 +101,7 @@ def with_params_placed(step: PlacedStep, mixed: bool = False) -> PlacedStep:
 
 
 def _check_placed(params, placed: Placed, mixed: bool) -> None:
-  _memory_spaces.check_params_placed(
-      params, {i for i, place in placed.where.items() if place == "loop"}, mixed)
+  _memory_spaces.check_params_placed(params, streamed_params(placed), mixed)
 
 
 def _placements_on_device(step: PlacedStep, params, args: tuple, kwargs: dict) -> Placed:

@@ -11,6 +11,16 @@ The sum has to exist whole before the update anyway, so updating inside the last
 backward pass saves nothing; it would compile the loss's forward and backward passes twice
 (once in the loop, once for the last microbatch): 1.33x optax's compile time on the bench's
 accumulation model, against 1.10x in one loop.
+
+With ``offload="params"`` the param stacks of the loops live in host memory (``streamed``):
+each microbatch's forward and backward loops read their rows to the device where they use
+them, as one backward pass does, and the sum of those leaves' gradients lives in host memory
+too, one row read and written per backward iteration: on the device it would hold a whole
+gradient of the stacks, which is what streaming the params removes (the 1.3B decoder, two
+microbatches, on the TPU v5e compiler: 9.35 GB peak with the sum on the device; in host memory,
+docs/offload.md). It starts as zeros written a row at a time into host memory
+(``zeros_in_host``). The update after the loop runs row by row for them
+(``_apply.update_rows``), writing each new row back to the host stacks.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from optfuse._base._errors import MicrobatchError
 from optfuse._base._leaves import is_float, keep_int_state
 from optfuse._fusion import _fused_step, _loops
 from optfuse._fusion._apply import apply_update, stacked_rows
+from optfuse._fusion._row_buffers import write_row
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan
 from optfuse._targets._backends import LoopPolicy
@@ -143,7 +154,9 @@ def accumulate(loss_fn: Callable, has_aux: bool, params, acc, args: tuple, kwarg
 def analyze_loss(loss_fn: Callable, params, batches, policy: LoopPolicy) -> Accumulation:
   """The plans of accumulating ``loss_fn``'s gradient on the microbatches of ``batches``, from
   the first (the loss is traced here, once for the whole step), with the loops' ``policy``."""
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  # Shapes, not zeros: eagerly, a param in host memory (``offload="params"``) has no zeros
+  # "like" it on the device.
+  zeros = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   plan = _make.make_plan(accumulator(), params, zeros)
   diff = [i for i, p in enumerate(plan.params_def.flatten_up_to(params)) if is_float(p)]
   args, kwargs = _index(batches, 0)
@@ -151,8 +164,36 @@ def analyze_loss(loss_fn: Callable, params, batches, policy: LoopPolicy) -> Accu
                                            kwargs, diff), policy)
 
 
+def streamed_leaves(analysis: Accumulation, plan: Plan, state: list, params: list,
+                    in_remat: bool = True) -> frozenset[int]:
+  """The leaves whose params ``offload="params"`` streams with microbatches: those the loops
+  of every microbatch update row by row (``analysis``) and whose update by ``plan`` runs row
+  by row after them (``Plan.rowwise``); with ``in_remat=False`` (forward mode, whose fused
+  loops update no row inside ``jax.checkpoint``) not those whose scan sits inside one. These
+  are the leaves the step without microbatches streams (``describe``'s "loop" leaves)."""
+  loop_plan = analysis.loop_plan
+  return frozenset(i for i in loop_plan.fused_leaves
+                   if (in_remat or i not in loop_plan.in_remat)
+                   and plan.rowwise(i, state, params, axis=loop_plan.stacked[i]))
+
+
+def zeros_in_host(policy: LoopPolicy, buf, axis: int):
+  """Zeros of ``buf``'s shape and dtype in host memory, written one row along ``axis`` at a
+  time into ``buf``, a host array of a stacked leaf (the compiler writes over a copy of it
+  where it is read again).
+
+  Zeros made whole and moved to the host are whole on the device first: the TPU v5e compiler
+  gives a stack of 8 2048x8192 float32 rows moved so 537 MB of temporaries, 202 MB written a
+  row at a time (three rows). Each row crosses the host link once, as the sum's rows do in
+  every backward loop.
+  """
+  shape = jnp.shape(buf)
+  row = jnp.zeros(shape[:axis] + shape[axis + 1:], jnp.result_type(buf))
+  return lax.fori_loop(0, shape[axis], lambda i, b: write_row(policy, b, row, i, axis), buf)
+
+
 def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
-               plans: Callable[[Any, Any], Plan]):
+               plans: Callable[[Any, Any], Plan], stream_params: bool = False):
   """A step over ``microbatches`` whose backward passes all accumulate in place.
 
   Args:
@@ -161,13 +202,17 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
     microbatches: how many microbatches each step's arguments are split into.
     plans: ``plans(params, state)``, the plan of the optimizer, applied once to the mean
       gradient (``_apply.apply_update``; with a global stage, stacked leaves row by row).
+    stream_params: ``offload="params"``: the params of ``streamed_leaves`` are in host memory,
+      and so is the sum of their gradients; they are updated row by row after the loop.
 
   Returns:
     ``step(policy, params, state, *args, **kwargs) -> ((value, params, state), (rows,
-    stacked))`` (``policy``: the step's per-compiler choices of its loops), where value is the
-    mean loss over the microbatches (with aux stacked along a leading axis when ``has_aux``),
-    ``rows`` the leaves whose update ran row by row in place (the others ran
-    whole), and ``stacked`` the leaves a scan reads as its stacked input, all after the loop.
+    stacked, streamed))`` (``policy``: the step's per-compiler choices of its loops), where
+    value is the mean loss over the microbatches (with aux stacked along a leading axis when
+    ``has_aux``), ``rows`` the leaves whose update ran row by row in place (the others ran
+    whole), ``stacked`` the leaves a scan reads as its stacked input, all after the loop, and
+    ``streamed`` the leaves whose params it streamed (``streamed_leaves``; empty without
+    ``stream_params``).
   """
   k = microbatches
   scaled = scale_loss(loss_fn, has_aux, k)
@@ -175,26 +220,33 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
   def step(policy, params, state, *args, **kwargs):
     batches = split(args, kwargs, k)
     analysis = analyze_loss(scaled, params, batches, policy)
+    plan = plans(params, state)
+    param_leaves, state_leaves = plan.params_def.flatten_up_to(params), jax.tree.leaves(state)
+    streamed = (streamed_leaves(analysis, plan, state_leaves, param_leaves) if stream_params
+                else frozenset())
 
     def body(acc, batch):
       value, acc = accumulate(scaled, has_aux, params, acc, *batch, analysis)
       return acc, value
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    mean, values = lax.scan(body, zeros, batches)
-    plan = plans(params, state)
-    param_leaves, state_leaves = plan.params_def.flatten_up_to(params), jax.tree.leaves(state)
+    # The sum of a streamed leaf's gradients starts as zeros in host memory, where its
+    # backward loops add each row: written over a copy of its param stack, the host buffer of
+    # its shape the step has.
     axes = analysis.loop_plan.stacked
+    zeros = [zeros_in_host(policy, p, axes[i]) if i in streamed else jnp.zeros_like(p)
+             for i, p in enumerate(param_leaves)]
+    mean, values = lax.scan(body, jax.tree.unflatten(plan.params_def, zeros), batches)
     # A whole-leaf update with a global stage holds full-size temporaries (the clipped gradient,
     # read by both of Adam's moments): measured 21.09 MB instead of 18.54 MB for 16 stacked
     # 256x256 layers with clipping and AdamW over 4 microbatches. Without one it is in place, and
-    # a row loop would only be slower.
-    rows = (frozenset() if plan.is_separable
-            else stacked_rows(plan, axes, state_leaves, param_leaves))
+    # a row loop would only be slower. A streamed leaf is updated row by row: whole, its param,
+    # gradient and slots would all be on the device at once.
+    rows = streamed | (frozenset() if plan.is_separable
+                       else stacked_rows(plan, axes, state_leaves, param_leaves))
     new_params, new_state, _, _ = apply_update(plan, policy, plan.params_def.flatten_up_to(mean),
                                             state_leaves, param_leaves, rows, axes=axes)
     return ((sum_value(values, has_aux), jax.tree.unflatten(plan.params_def, new_params),
-             jax.tree.unflatten(plan.state_def, new_state)), (rows, frozenset(axes)))
+             jax.tree.unflatten(plan.state_def, new_state)), (rows, frozenset(axes), streamed))
 
   return step
 
