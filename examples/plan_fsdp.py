@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import optfuse
 from optfuse._analysis import _memory
+from optfuse._targets import _compiled
 from optfuse.bench import _models
 from optfuse.bench._models import DecoderConfig
 
@@ -90,7 +91,7 @@ def main(argv=None) -> None:
   print(optfuse.memory_report(model.loss, tx, params, *batch, target=mesh, offload="state"))
   for like_params, label in ((True, "sharded like its params"), (False, "replicated")):
     peak = hand_lowered_optax_peak(model.loss, tx, params, batch, mesh, like_params)
-    print(f"optax step lowered by hand, state {label}: {_memory.format_bytes(peak)} per device")
+    print(f"optax step lowered by hand, state {label}: {_compiled.format_bytes(peak)} per device")
 
 
 if __name__ == "__main__":

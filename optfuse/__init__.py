@@ -12,12 +12,11 @@ from optfuse._analysis._auto import plan_offload as plan_offload
 from optfuse._analysis._describe import describe as describe
 from optfuse._analysis._fit import FitReport as FitReport
 from optfuse._analysis._fit import max_batch_size as max_batch_size
-from optfuse._analysis._memory import DoesNotFit as DoesNotFit
-from optfuse._analysis._memory import MemoryReport as MemoryReport
-from optfuse._analysis._memory import memory_report as memory_report
 from optfuse._analysis._params_memory import params_to_device as params_to_device
 from optfuse._analysis._params_memory import params_to_host as params_to_host
 from optfuse._analysis._params_memory import streamed as streamed
+from optfuse._analysis._report import MemoryReport as MemoryReport
+from optfuse._analysis._report import memory_report as memory_report
 from optfuse._analysis._slices import SliceFit as SliceFit
 from optfuse._analysis._slices import SliceReport as SliceReport
 from optfuse._analysis._slices import fsdp_axis as fsdp_axis
@@ -47,6 +46,7 @@ from optfuse._low_bit._transform import QuantizedSlot as QuantizedSlot
 from optfuse._low_bit._transform import low_bit as low_bit
 from optfuse._optimizers._muon_dims import stacked_muon_dims as stacked_muon_dims
 from optfuse._targets._backends import compiling_for as compiling_for
+from optfuse._targets._compiled import DoesNotFit as DoesNotFit
 from optfuse._targets._registry import target_mesh as target_mesh
 from optfuse._targets._registry import targets as targets
 from optfuse._train_step import train_step as train_step

@@ -28,6 +28,7 @@ from optfuse._base import _checks, _options
 from optfuse._base._errors import BudgetError
 from optfuse._base._options import FuseOptions
 from optfuse._targets import _registry
+from optfuse._targets._compiled import format_bytes
 
 # Decimal units as XLA and ``format_bytes`` print them, binary ones as allocators count.
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -152,11 +153,11 @@ class FitReport(Mapping):
       nxt, peaks = self.next_batch(mode), self.peaks[mode]
       refused = self.does_not_fit.get(mode, {})
       its_peak = ("not tried (the cap)" if nxt is None else
-                  f"compiler: needs {_memory.format_bytes(refused[nxt].needed_bytes)}"
-                  if nxt in refused else _memory.format_bytes(peaks.get(nxt)))
-      rows[mode] = [mode, str(batch), _memory.format_bytes(peaks.get(batch)),
+                  f"compiler: needs {format_bytes(refused[nxt].needed_bytes)}"
+                  if nxt in refused else format_bytes(peaks.get(nxt)))
+      rows[mode] = [mode, str(batch), format_bytes(peaks.get(batch)),
                     "-" if nxt is None else str(nxt), its_peak, str(len(peaks) + len(refused))]
-    title = (f"largest batch within {_memory.format_bytes(self.budget_bytes)} "
+    title = (f"largest batch within {format_bytes(self.budget_bytes)} "
              f"({self.budget_bytes} bytes) of compiled peak memory")
     if self.target is not None:
       title += f" per device on {self.target} ({self.budget_source})"

@@ -35,6 +35,7 @@ from optfuse._base._errors import (
 from optfuse._base._options import FuseOptions
 from optfuse._low_bit import _transform as _low_bit
 from optfuse._targets import _registry
+from optfuse._targets._compiled import format_bytes
 
 # The TPU v5e and v6e slices of 1, 4 and 8 chips, and one of each GPU of the registry.
 DEFAULT_TARGETS = ("tpu-v5e", "tpu-v5e:2x2", "tpu-v5e:2x4", "tpu-v6e", "tpu-v6e:2x2",
@@ -132,8 +133,8 @@ class SliceReport(tuple):
       where = f.unavailable or f.target or f"none of {', '.join(f.tried) or 'none'}"
       lines.append(f"| {f.kind} | {f.layout} | {f.step} | {where} | {f.chips or '-'} "
                    f"| {f.batch_per_chip or '-'}{' (the cap)' if f.capped else ''} "
-                   f"| {_memory.format_bytes(f.peak_bytes)} "
-                   f"| {_memory.format_bytes(f.budget_bytes)} |")
+                   f"| {format_bytes(f.peak_bytes)} "
+                   f"| {format_bytes(f.budget_bytes)} |")
     return "\n".join(lines)
 
   def __repr__(self) -> str:

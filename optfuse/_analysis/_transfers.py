@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-from jax._src.interpreters import partial_eval as pe
+
+from optfuse._jaxpr import _interpreter
 
 
 class TransferBytes(NamedTuple):
@@ -61,7 +62,7 @@ def traced_transfer_bytes(jaxpr) -> TransferBytes:
   """
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   # What no output reads is not run: compilers drop it (a row read only for its shape).
-  jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+  jaxpr, _ = _interpreter.prune(jaxpr, [True] * len(jaxpr.outvars))
   to_device, to_host = _walk(jaxpr, 1, False)
   return TransferBytes(to_device, to_host)
 
@@ -70,19 +71,12 @@ def _aval_bytes(aval) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-def _sub_jaxprs(eqn):
-  for value in eqn.params.values():
-    for sub in value if isinstance(value, (tuple, list)) else (value,):
-      sub = getattr(sub, "jaxpr", sub)
-      if isinstance(sub, jax.extend.core.Jaxpr):
-        yield sub
-
-
 def _walk(jaxpr, times: int, in_while: bool) -> tuple[int, int]:
   to_device = to_host = 0
   host = jax.memory.Space.Host
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "device_put":
+    name = _interpreter.primitive_of(eqn).name
+    if name == "device_put":
       for a, b in zip(eqn.invars, eqn.outvars):
         src, dst = a.aval.memory_space, b.aval.memory_space
         if src == dst:
@@ -93,9 +87,8 @@ def _walk(jaxpr, times: int, in_while: bool) -> tuple[int, int]:
           to_host += times * _aval_bytes(b.aval)
         elif src == host:
           to_device += times * _aval_bytes(b.aval)
-    name = eqn.primitive.name
-    inner = times * (eqn.params["length"] if name == "scan" else 1)
-    subs = list(_sub_jaxprs(eqn))
+    inner = times * (_interpreter.scan_parts(eqn).length if name == "scan" else 1)
+    subs = _interpreter.inner_jaxprs(eqn)
     if name == "cond":  # one branch runs: the most any branch moves
       counts = [_walk(s, inner, in_while) for s in subs]
       best = max(counts, key=sum, default=(0, 0))

@@ -179,7 +179,7 @@ def measure(model: Model, devices: int = DEVICES, progress: bool = False) -> lis
     progress: print each mode to stderr as it compiles.
 
   Returns:
-    One row per mode: the per-device memory fields of ``optfuse._analysis._memory.FIELDS``,
+    One row per mode: the per-device memory fields of ``optfuse._analysis._compiled.FIELDS``,
     ``peak_ratio`` (to "off"), ``grad_share_bytes`` and ``live_grad_share_bytes`` (the
     gradient's bytes per device, and the part of them a fused step must hold at once),
     ``saved_of_share`` (the peak saved against "off", over the gradient share),
@@ -284,11 +284,11 @@ def run(size: str = "16l", devices: int = DEVICES, progress: bool = True,
 _COLUMNS = (
     ("model", False, lambda r: r["model"]),
     ("mode", False, lambda r: r["mode"]),
-    ("peak / device", True, lambda r: _memory.format_bytes(r["peak_bytes"])),
+    ("peak / device", True, lambda r: _compiled.format_bytes(r["peak_bytes"])),
     ("peak vs optax", True, lambda r: f"{r['peak_ratio']:.2f}x"),
-    ("temp / device", True, lambda r: _memory.format_bytes(r["temp_bytes"])),
-    ("arguments / device", True, lambda r: _memory.format_bytes(r["argument_bytes"])),
-    ("gradient / device", True, lambda r: _memory.format_bytes(r["grad_share_bytes"])),
+    ("temp / device", True, lambda r: _compiled.format_bytes(r["temp_bytes"])),
+    ("arguments / device", True, lambda r: _compiled.format_bytes(r["argument_bytes"])),
+    ("gradient / device", True, lambda r: _compiled.format_bytes(r["grad_share_bytes"])),
     ("saved / gradient (at most)", True,
      lambda r: f"{r['saved_of_share']:.0%} "
                f"({1 - r['live_grad_share_bytes'] / r['grad_share_bytes']:.0%})"),

@@ -11,7 +11,7 @@ from typing import Any
 import matplotlib.patches
 from matplotlib.figure import Figure
 
-from optfuse._analysis._memory import format_bytes
+from optfuse._targets._compiled import format_bytes
 from optfuse.bench import _slices, _what_fits
 
 FLOOR_NOTE = (

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 import optfuse
 from optfuse import _fuse
-from optfuse._analysis import _memory
+from optfuse._analysis import _memory, _report
 from optfuse._targets import _compiled, _registry
 from optfuse.bench import _forms, _models, _timing
 from optfuse.bench._models import DecoderConfig, Model
@@ -368,7 +368,7 @@ def run_large(model: Model, target: Any = None, offload: bool = False,
           "target": getattr(target, "name", target) or jax.default_backend()}
   offloads = (None, "state") if offload else (None,)
   try:
-    reports = {o: _memory.memory_report(model.loss, optax.adamw(1e-3), params,
+    reports = {o: _report.memory_report(model.loss, optax.adamw(1e-3), params,
                                         *_models.abstract(model.batch), target=target,
                                         offload=o) for o in offloads}
   except Exception as e:  # a library bug: recorded, the command then exits with an error

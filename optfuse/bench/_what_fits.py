@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from optfuse import _fuse
 from optfuse._analysis import _fit, _memory
-from optfuse._targets import _registry
+from optfuse._targets import _compiled, _registry
 from optfuse.bench import _cache, _models, _suite
 from optfuse.bench._models import DecoderConfig
 
@@ -213,7 +213,7 @@ def lines(rows: Sequence[dict[str, Any]], axis: str = "layers") -> list[str]:
             else "")
     host += "".join(f"; {LABELS[m].removeprefix('backward fusion, ')} {_describe(got[m])}"
                     for m in STEPS if m in got and STEPS[m][2] is not None)
-    out.append(f"- **{off['target_label']}** ({_memory.format_bytes(off['budget_bytes'])} per "
+    out.append(f"- **{off['target_label']}** ({_compiled.format_bytes(off['budget_bytes'])} per "
                f"device): largest {what} with AdamW: optax {_describe(off)}, backward fusion "
                f"{_describe(fused)} ({gain}){host}")
   return out
@@ -231,7 +231,7 @@ def markdown(rows: Sequence[dict[str, Any]], header: Callable[[], str] | None = 
     cell = {(r["axis"], r["mode"]): r for r in rows if r["target"] == name}
     first = next(iter(cell.values()))
     values = [str(cell[c]["max"]) if c in cell else "-" for c in columns]
-    out.append(f"| {first['target_label']} | {_memory.format_bytes(first['budget_bytes'])} "
+    out.append(f"| {first['target_label']} | {_compiled.format_bytes(first['budget_bytes'])} "
                f"| {first['budget_source']} | " + " | ".join(values) + " |")
   return "\n".join(out) + "\n"
 
@@ -267,7 +267,7 @@ def _sized(row: dict[str, Any]) -> str:
   if row["peak"] is None:
     return f"{LABELS[row['mode']]}: does not fit (out of memory)"
   verdict = "fits" if row["fits"] else "does not fit"
-  return f"{LABELS[row['mode']]}: {_memory.format_bytes(row['peak'])}, {verdict}"
+  return f"{LABELS[row['mode']]}: {_compiled.format_bytes(row['peak'])}, {verdict}"
 
 
 def sized_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -277,8 +277,8 @@ def sized_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
   for name in dict.fromkeys(r["target"] for r in rows):
     got = [r for r in rows if r["target"] == name]
     first, fitting = got[0], sorted((r for r in got if r["fits"]), key=lambda r: r["peak"])
-    memory = _memory.format_bytes(first["budget_bytes"])
-    lead = (f"fits with {LABELS[fitting[0]['mode']]}: {_memory.format_bytes(fitting[0]['peak'])}"
+    memory = _compiled.format_bytes(first["budget_bytes"])
+    lead = (f"fits with {LABELS[fitting[0]['mode']]}: {_compiled.format_bytes(fitting[0]['peak'])}"
             f" of {memory}" if fitting else "fits with none of these steps")
     rest = [_sized(r) for r in got if not fitting or r is not fitting[0]]
     out.append(f"- **{first['target_label']}** ({memory} per device), the "

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import optfuse
-from optfuse._analysis._memory import FIELDS, HOST_FIELDS, TRANSFER_FIELDS, memory_report
+from optfuse._analysis._report import FIELDS, HOST_FIELDS, TRANSFER_FIELDS, memory_report
 
 # 4 x (16384 x 16384) float32 weights: 4.3 GB of params, 12.9 GB with adamw's mu and nu, and the
 # step's outputs again: far more than the test machines hold, so the report cannot allocate them.

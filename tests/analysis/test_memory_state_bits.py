@@ -6,7 +6,8 @@ import optax
 import pytest
 
 import optfuse
-from optfuse._analysis._memory import memory_report, with_state_bits
+from optfuse._analysis._memory import with_state_bits
+from optfuse._analysis._report import memory_report
 from optfuse._targets import _registry
 
 needs_tpu = pytest.mark.skipif(not _registry.compiler_installed("tpu"),

@@ -9,7 +9,7 @@ import pytest
 
 import optfuse
 from optfuse._analysis import _memory
-from optfuse._targets import _registry
+from optfuse._targets import _compiled, _registry
 from optfuse.bench import __main__ as bench_main
 from optfuse.bench import _fit_table as bench_fit
 from optfuse.bench import _fsdp, _models, _suite
@@ -158,7 +158,7 @@ def test_fit_prints_the_largest_batch_per_mode_and_the_tokens_it_allows(tmp_path
   code, rows, printed = _run_fit(f"{budget} B", tmp_path / "one")
   assert code == 0
   assert (tmp_path / "one" / "fit.md").read_text().strip() in printed
-  assert f"fits {_memory.format_bytes(budget)} ({budget} bytes)" in printed
+  assert f"fits {_compiled.format_bytes(budget)} ({budget} bytes)" in printed
   seq = bench_fit.TINY_DECODER.seq
   for row in rows:
     assert not row.get("failed") and row["budget_bytes"] == budget, row
@@ -294,7 +294,7 @@ def test_the_main_job_leads_with_the_step_that_fits_each_accelerator_one_compile
   smallest = min(rows, key=lambda r: r["peak"])
   assert line.startswith("- **tpu-v5e**") and (
       f"with AdamW: fits with {_what_fits.LABELS[smallest['mode']]}: "
-      f"{_memory.format_bytes(smallest['peak'])} of ") in line
+      f"{_compiled.format_bytes(smallest['peak'])} of ") in line
   # The cache answers the next run without compiling.
   again = _what_fits.at_size(["tpu-v5e"], progress=False, config=tiny)
   assert [r["peak"] for r in again] == [r["peak"] for r in rows]
