@@ -35,7 +35,9 @@ import _sharding_worker as worker  # noqa: E402
 import optfuse  # noqa: E402
 
 DEPTH = 7
-IMPLS = ("optax", "backward", "forward")
+# ``backward_read``: backward fusion reading the host rows in the iteration that uses them, as
+# the TPU compiler's step does on several devices (``worker.rows_read_in_iteration``).
+IMPLS = ("optax", "backward", "forward", "backward_read")
 LAYOUTS = ("fsdp", "data_parallel")
 
 
@@ -55,12 +57,12 @@ def run(layout: str, impl: str, steps: int) -> tuple[dict, dict]:
   if impl == "optax":
     initable, step, placed = worker.TX, worker.optax_step(loss), params
   else:
-    fx = optfuse.fuse(worker.TX, impl, offload="params")
+    fx = optfuse.fuse(worker.TX, impl.removesuffix("_read"), offload="params")
     initable, step = fx, fx.value_and_update(loss)
     placed = optfuse.params_to_host(fx, loss, params, *data[0])
   state = initable.init(params)
   opt_state = state.opt_state if impl == "forward" else state
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), worker.rows_read_in_iteration(impl.endswith("_read")):
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                                    worker.param_specs(params, layout))
     state_shardings = optax.tree_utils.tree_map_params(

@@ -37,14 +37,15 @@ DEFAULT_CONFIGS = ("fsdp/scan/auto", "data_parallel/mlp/explicit")
 SLOW_CONFIGS = tuple(c for c in worker.ALL_CONFIGS if c not in DEFAULT_CONFIGS)
 CONFIGS = ([pytest.param(c, id=c) for c in DEFAULT_CONFIGS]
            + [pytest.param(c, id=c, marks=pytest.mark.slow) for c in SLOW_CONFIGS])
-FUSED = ("backward", "forward", "backward_offload")
+FUSED = ("backward", "forward", "backward_offload", "backward_offload_read")
 # Where the worker also trains backward fusion of each wrong optimizer of tests/faults.py.
 FAULT_CONFIG = "fsdp/scan/auto"
 
 
 def _run_worker(configs: tuple[str, ...], out: Path) -> tuple[dict, dict]:
+  # The worker imports this checkout's optfuse, not an installed one.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", PYTHONPATH=str(WORKER.parent.parent))
   proc = subprocess.run(
       [sys.executable, str(WORKER), str(out), "--configs", ",".join(configs),
        "--steps", str(STEPS), "--faults", FAULT_CONFIG],
