@@ -4,7 +4,9 @@ The params are ``jax.ShapeDtypeStruct`` values sharded FSDP-style on the slice's
 devices (``optfuse.target_mesh``): each leaf along its largest axis the devices divide, never a
 stacked layer axis. ``optfuse.memory_report`` then compiles the step of each mode for that mesh,
 with the optimizer state laid out as ``tx.init`` lays it out from those params (sharded like
-them), with and without ``offload="state"``. To check that this is the step you would run, the
+them), without offload, with ``offload="state"`` and with ``offload="params"`` (each device's
+shards in its host memory, streamed a layer at a time), and says how much of the streamed bytes
+leave backward fusion's peak. To check that this is the step you would run, the
 script also lowers the plain optax step by hand, with the state sharded like its params
 (``optax.tree_utils.tree_map_params``, as MaxText-style code does) and, for comparison, with the
 state replicated.
@@ -72,6 +74,13 @@ def hand_lowered_optax_peak(loss, tx, params, batch, mesh, state_like_params: bo
   return _memory.compile_memory(lowered)["peak_bytes"]
 
 
+def streamed_share(kept: dict, streamed: dict) -> str:
+  """How far streaming lowers backward fusion's peak per device, against what it streams."""
+  saved, host = kept["peak_bytes"] - streamed["peak_bytes"], streamed["host_bytes"]
+  return (f"backward fusion's peak falls by {_memory.format_bytes(saved)} per device, "
+          f"{saved / host:.0%} of the {_memory.format_bytes(host)} each device streams")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", choices=sorted(SIZES), default="1.3b")
@@ -85,9 +94,13 @@ def main(argv=None) -> None:
   print(f"{_models.param_count(model.params)} params, {config.layers} layers of d={config.dim}, "
         f"T={config.seq}, batch {config.batch}, AdamW, FSDP over {mesh.size} chips of "
         f"{args.target}")
-  print(optfuse.memory_report(model.loss, tx, params, *batch, target=mesh))
-  print("with offload='state':")
-  print(optfuse.memory_report(model.loss, tx, params, *batch, target=mesh, offload="state"))
+  kept = optfuse.memory_report(model.loss, tx, params, *batch, target=mesh)
+  print(kept)
+  for offload in ("state", "params"):
+    print(f"with offload={offload!r}:")
+    report = optfuse.memory_report(model.loss, tx, params, *batch, target=mesh, offload=offload)
+    print(report)
+    print(streamed_share(kept["backward"], report["backward"]))
   for like_params, label in ((True, "sharded like its params"), (False, "replicated")):
     peak = hand_lowered_optax_peak(model.loss, tx, params, batch, mesh, like_params)
     print(f"optax step lowered by hand, state {label}: {_memory.format_bytes(peak)} per device")
