@@ -15,6 +15,7 @@ Usage::
 
   python examples/plan_fsdp.py                      # 1.3B decoder, tpu-v5e:2x2, batch 4
   python examples/plan_fsdp.py --size tiny --target tpu-v5e:2x2
+  python examples/plan_fsdp.py --size 16x1024 --target h100:1x1x4   # four H100s
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from optfuse.bench._models import DecoderConfig
 
 SIZES = {
     "tiny": DecoderConfig(layers=4, dim=256, heads=4, ff=1024, vocab=1024, seq=128, batch=4),
+    "16x512": DecoderConfig(layers=16, dim=512, heads=8, ff=2048, vocab=2048, seq=32, batch=4),
+    "16x1024": DecoderConfig(layers=16, dim=1024, heads=8, ff=4096, vocab=4096, seq=64, batch=4),
     "1.3b": DecoderConfig(layers=24, dim=2048, heads=16, ff=8192, vocab=32000, seq=2048, batch=4),
 }
 
@@ -84,7 +87,8 @@ def streamed_share(kept: dict, streamed: dict) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", choices=sorted(SIZES), default="1.3b")
-  parser.add_argument("--target", default="tpu-v5e:2x2", help="a TPU slice of optfuse.targets()")
+  parser.add_argument("--target", default="tpu-v5e:2x2",
+                      help="a slice of optfuse.targets(): 'tpu-v5e:2x2', 'h100:1x1x4'...")
   args = parser.parse_args(argv)
   config = SIZES[args.size]
   model = _models.decoder(config, scanned=True, remat=True)

@@ -98,8 +98,7 @@ def test_offloaded_state_on_an_fsdp_mesh_is_sharded_in_host_memory(decoder):
 # 16 layers of d=512 (ff 2048, vocab 2048, 32 tokens, batch 4): as in the 1.3B decoder, the
 # params and state are most of each device's memory and one layer's rows a small part of them,
 # at compiles of seconds.
-STREAMED = _models.DecoderConfig(layers=16, dim=512, heads=8, ff=2048, vocab=2048, seq=32,
-                                 batch=4)
+STREAMED = PLAN.SIZES["16x512"]
 # Streaming moves the per-device state (and params) out of device memory; what the device still
 # holds of them is the rows in flight, one layer's and the leaves outside the loop's. Issue 53
 # asks for 80 % of the streamed bytes off the peak, what one chip gets (this decoder: 86 % with
