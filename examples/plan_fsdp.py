@@ -14,6 +14,7 @@ state replicated.
 Usage::
 
   python examples/plan_fsdp.py                      # 1.3B decoder, tpu-v5e:2x2, batch 4
+  python examples/plan_fsdp.py --batch 28           # 7 sequences a chip
   python examples/plan_fsdp.py --size tiny --target tpu-v5e:2x2
   python examples/plan_fsdp.py --size 16x1024 --target h100:1x1x4   # four H100s
 """
@@ -89,8 +90,9 @@ def main(argv=None) -> None:
   parser.add_argument("--size", choices=sorted(SIZES), default="1.3b")
   parser.add_argument("--target", default="tpu-v5e:2x2",
                       help="a slice of optfuse.targets(): 'tpu-v5e:2x2', 'h100:1x1x4'...")
+  parser.add_argument("--batch", type=int, help="the global batch (default: the size's, 4)")
   args = parser.parse_args(argv)
-  config = SIZES[args.size]
+  config = SIZES[args.size]._replace(batch=args.batch or SIZES[args.size].batch)
   model = _models.decoder(config, scanned=True, remat=True)
   mesh = optfuse.target_mesh(args.target, ("fsdp",))
   params, batch = fsdp_inputs(model, mesh)
