@@ -187,12 +187,13 @@ def row_loop(policy: LoopPolicy, length: int, index_of: Callable, stacks: Sequen
   Returns:
     ``(stacks, carry)`` after the last iteration.
 
-  A loop with slots in host memory (``offload="state"``) prefetches every row, as on several
-  devices, where the platform's compiler measured better with it
-  (``LoopPolicy.streamed_prefetch``: TPU): the next iteration's slot rows start their
-  host-to-device transfer at the end of this iteration, so that it overlaps the next layer's
-  pullback instead of waiting for its gradient row (one row per slot more on the device).
-  Elsewhere (GPU) they are read once the gradient row exists, as on one device without offload.
+  On one device a loop with slots in host memory (``offload="state"``) prefetches every row
+  where the platform's compiler measured better with it (``LoopPolicy.streamed_prefetch``:
+  TPU): the next iteration's slot rows start their host-to-device transfer at the end of this
+  iteration, so that it overlaps the next layer's pullback instead of waiting for its gradient
+  row (one row per slot more on the device). Elsewhere (GPU) they are read once the gradient
+  row exists, as on one device without offload. On several devices every row is prefetched but
+  the host-resident ones the policy reads in the iteration that uses them (``_kind_major_loop``).
   """
   streamed = any(is_host(t) for s in stacks for t in s.slots)
   prefetch_slots = streamed and policy.streamed_prefetch
