@@ -37,7 +37,10 @@ import _sharding_worker as worker  # noqa: E402
 import optfuse  # noqa: E402
 
 DEPTH = 7
-IMPLS = ("optax", "backward", "forward", "optax_mb", "backward_mb", "forward_mb")
+# ``backward_read``: backward fusion reading the host rows in the iteration that uses them, as
+# the TPU compiler's step does on several devices (``worker.rows_read_in_iteration``).
+IMPLS = ("optax", "backward", "forward", "backward_read", "optax_mb", "backward_mb",
+         "forward_mb")
 MICROBATCHES = 2
 
 
@@ -69,6 +72,7 @@ def run(layout: str, impl: str, steps: int) -> tuple[dict, dict]:
   params = worker.init_params("scan", 32)
   data = worker.batches(steps)
   mode, microbatched = impl.removesuffix("_mb"), impl.endswith("_mb")
+  mode, read = mode.removesuffix("_read"), mode.endswith("_read")
   if mode == "optax":
     initable, placed = worker.TX, params
     step = _optax_microbatched(loss) if microbatched else worker.optax_step(loss)
@@ -79,7 +83,7 @@ def run(layout: str, impl: str, steps: int) -> tuple[dict, dict]:
     placed = optfuse.params_to_host(fx, loss, params, *data[0])
   state = initable.init(params)
   opt_state = state.opt_state if mode == "forward" else state
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), worker.rows_read_in_iteration(read):
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                                    worker.param_specs(params, layout))
     state_shardings = optax.tree_utils.tree_map_params(

@@ -22,6 +22,7 @@ train the same ones on one device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import re
@@ -38,6 +39,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optfuse
+from optfuse._targets import _backends
 
 DEVICES = 8
 BATCH = 16
@@ -47,7 +49,10 @@ TX = optax.adamw(1e-2, weight_decay=1e-2)
 LAYOUTS = ("data_parallel", "fsdp")
 MODELS = ("mlp", "scan")
 AXIS_TYPES = ("auto", "explicit")
-IMPLS = ("optax", "backward", "forward", "backward_offload")
+IMPLS = ("optax", "backward", "forward", "backward_offload", "backward_offload_read")
+# ``backward_offload_read``: backward fusion with the state in host memory, its rows read in the
+# iteration that uses them rather than prefetched, as the TPU and GPU compilers' steps read them
+# on several devices (``rows_read_in_iteration``); this CPU runs that choice here.
 # Backward fusion of a wrong optimizer (``tests/faults.py``), for the configurations named by
 # ``--faults``: the test shows the criterion that passes the fused steps rejecting each.
 FAULTED = tuple(f"backward+{name}" for name in faults.faults(lambda path: True))
@@ -148,31 +153,46 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
   return {k: int(v) for k, v in out.items()}
 
 
+@contextlib.contextmanager
+def rows_read_in_iteration(read: bool):
+  """Steps traced inside read host-resident slot and param rows in the iteration that uses
+  them, if ``read``, as the TPU compiler's steps do on several devices."""
+  tables = (_backends.SHARDED_STREAMED_PREFETCH, _backends.SHARDED_STREAMED_PARAM_PREFETCH)
+  prefetch = [table["cpu"] for table in tables]
+  for table in tables:
+    table["cpu"] = table["cpu"] and not read
+  try:
+    yield
+  finally:
+    for table, was in zip(tables, prefetch):
+      table["cpu"] = was
+
+
 def run(layout: str, model: str, axis_type: str, impl: str, steps: int, width: int):
   """Compiles and trains one configuration; returns ``(report, arrays)``."""
   mesh = make_mesh(layout, axis_type)
   gather = (lambda a: jax.sharding.reshard(a, P())) if axis_type == "explicit" else (lambda a: a)
   loss = functools.partial(loss_fn, model=model, gather=gather)
+  offload = "state" if "_offload" in impl else None
   if impl == "optax":
     initable, step = TX, optax_step(loss)
   elif impl in FAULTED:
     fx = optfuse.fuse(faults.faults(stacked)[impl.removeprefix("backward+")](TX), "backward")
     initable, step = fx, fx.value_and_update(loss)
   else:
-    offload = "state" if impl.endswith("_offload") else None
-    fx = optfuse.fuse(TX, impl.removesuffix("_offload"), offload=offload)
+    fx = optfuse.fuse(TX, impl.split("_")[0], offload=offload)
     initable, step = fx, fx.value_and_update(loss)
   # Built on the default device and then placed: eager ops under the mesh would each compile.
   params = init_params(model, width)
   state = initable.init(params)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), rows_read_in_iteration(impl.endswith("_read")):
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, layout))
     # The optimizer state's copies of the params (Adam's mu, nu...) are sharded like them, the
     # rest (count) replicated: optax's idiom for sharding a state.
     state_shardings = optax.tree_utils.tree_map_params(
         initable, lambda _, sharding: sharding, state, param_shardings,
         transform_non_params=lambda _: NamedSharding(mesh, P()))
-    if impl.endswith("_offload"):  # the slots in host memory, each sharded like its param
+    if offload:  # the slots in host memory, each sharded like its param
       state_shardings = jax.tree.map(
           lambda sh, x: sh.with_memory_kind("pinned_host") if x.sharding.memory_kind ==
           "pinned_host" else sh, state_shardings, state)

@@ -187,12 +187,13 @@ def row_loop(policy: LoopPolicy, length: int, index_of: Callable, stacks: Sequen
   Returns:
     ``(stacks, carry)`` after the last iteration.
 
-  A loop with slots in host memory (``offload="state"``) prefetches every row, as on several
-  devices, where the platform's compiler measured better with it
-  (``LoopPolicy.streamed_prefetch``: TPU): the next iteration's slot rows start their
-  host-to-device transfer at the end of this iteration, so that it overlaps the next layer's
-  pullback instead of waiting for its gradient row (one row per slot more on the device).
-  Elsewhere (GPU) they are read once the gradient row exists, as on one device without offload.
+  On one device a loop with slots in host memory (``offload="state"``) prefetches every row
+  where the platform's compiler measured better with it (``LoopPolicy.streamed_prefetch``:
+  TPU): the next iteration's slot rows start their host-to-device transfer at the end of this
+  iteration, so that it overlaps the next layer's pullback instead of waiting for its gradient
+  row (one row per slot more on the device). Elsewhere (GPU) they are read once the gradient
+  row exists, as on one device without offload. On several devices every row is prefetched but
+  the host-resident ones the policy reads in the iteration that uses them (``_kind_major_loop``).
   """
   streamed = any(is_host(t) for s in stacks for t in s.slots)
   prefetch_slots = streamed and policy.streamed_prefetch
@@ -231,28 +232,39 @@ def _leaf_major_loop(policy, length, index_of, stacks, body, carry, first, prefe
 
 
 def _kind_major_loop(policy, length, index_of, stacks, body, carry, first, prefetch):
-  """Several devices: every row prefetched, the carry as the loop's state, then the params,
-  the slots and the rows."""
+  """Several devices: the carry as the loop's state, then the params, the slots and the rows.
+
+  Every row is prefetched, but for a host-resident one that the policy reads in the iteration
+  that uses it (``LoopPolicy.streamed_prefetch`` for slot rows, ``streamed_param_prefetch`` for
+  param rows): a prefetched row from the host is one more row in device memory for the whole
+  iteration, where a device-resident row read in the iteration makes XLA copy its stack.
+  """
   del first  # ``after`` is the index itself on several devices
   axes = [s.axis for s in stacks]
+  ahead = ([prefetch and (policy.streamed_param_prefetch or not is_host(s.param))
+            for s in stacks],
+           [tuple(prefetch and (policy.streamed_prefetch or not is_host(t)) for t in s.slots)
+            for s in stacks])
 
   def rows_at(params, slots, index):
-    return ([row_at(p, index, a) for p, a in zip(params, axes)],
-            [tuple(row_at(t, index, a) for t in ts) for ts, a in zip(slots, axes)])
+    """The rows at ``index`` of the stacks read ahead, ``None`` for the others."""
+    return ([row_at(p, index, a) if go else None for p, a, go in zip(params, axes, ahead[0])],
+            [tuple(row_at(t, index, a) if go else None for t, go in zip(ts, gos))
+             for ts, a, gos in zip(slots, axes, ahead[1])])
 
   def iteration(k, state):
     carry, params, slots, rows = state
     stacks = [Stack(p, tuple(t), a) for p, t, a in zip(params, slots, axes)]
     index = index_of(k)
-    rows = rows if prefetch else rows_at(params, slots, index)
-    new_rows, carry = body(k, index, rows[0], lambda j, x: list(rows[1][j]), carry)
+    here = lambda row, stack, axis: row_at(stack, index, axis) if row is None else row
+    param_rows = [here(r, p, a) for r, p, a in zip(rows[0], params, axes)]
+    read = lambda j, x: [here(r, t, axes[j]) for r, t in zip(rows[1][j], slots[j])]
+    new_rows, carry = body(k, index, param_rows, read, carry)
     stacks = [write_stack(policy, s, *new, index) for s, new in zip(stacks, new_rows)]
     params, slots = tuple(s.param for s in stacks), tuple(s.slots for s in stacks)
-    next_rows = (rows_at(params, slots, index_of(jnp.minimum(k + 1, length - 1))) if prefetch
-                 else ([], []))
-    return carry, params, slots, next_rows
+    return carry, params, slots, rows_at(params, slots, index_of(jnp.minimum(k + 1, length - 1)))
 
   params, slots = tuple(s.param for s in stacks), tuple(tuple(s.slots) for s in stacks)
-  init = (carry, params, slots, rows_at(params, slots, index_of(0)) if prefetch else ([], []))
+  init = (carry, params, slots, rows_at(params, slots, index_of(0)))
   carry, params, slots, _ = lax.fori_loop(0, length, iteration, init)
   return [Stack(p, tuple(t), a) for p, t, a in zip(params, slots, axes)], carry

@@ -45,6 +45,14 @@ _INPUTS: contextvars.ContextVar[Any] = contextvars.ContextVar("optfuse_inputs", 
 # the gradient row exists: lower peaks on the TPU compiler, higher on the GPU compiler.
 STREAMED_PREFETCH = {"tpu": True, "cuda": False, "rocm": False, "cpu": True}
 
+# On several devices (FSDP) the row loops prefetch every row a step ahead, but the host-resident
+# slot rows (``offload="state"``) and param rows (``offload="params"``) where these say no: they
+# are read in the iteration that uses them. A prefetched host row is one more row in device
+# memory the whole iteration on the TPU and GPU compilers; XLA:CPU copies a host stack read in
+# the iteration it is written in.
+SHARDED_STREAMED_PREFETCH = {"tpu": False, "cuda": False, "rocm": False, "cpu": True}
+SHARDED_STREAMED_PARAM_PREFETCH = {"tpu": False, "cuda": True, "rocm": True, "cpu": True}
+
 # Forward fusion updates every stacked leaf row by row, not whole in the pending update's
 # conditional: the GPU compiler copies the whole params and state around the conditional.
 FORWARD_STACKED_ROWS = {"tpu": True, "cuda": True, "rocm": True, "cpu": False}
@@ -80,7 +88,9 @@ class LoopPolicy(NamedTuple):
     stored_layouts: param stacks and host-bound rows are pinned to their row-major layout
       (``STORED_LAYOUTS``, one device only).
     streamed_prefetch: host-resident slot rows are prefetched an iteration ahead
-      (``STREAMED_PREFETCH``).
+      (``STREAMED_PREFETCH``; on several devices ``SHARDED_STREAMED_PREFETCH``).
+    streamed_param_prefetch: host-resident param rows are prefetched an iteration ahead
+      (always on one device; on several ``SHARDED_STREAMED_PARAM_PREFETCH``).
     carried_stacks: a fused scan's forward loop carries the param stacks it reads
       (``CARRIED_STACKS``).
     pending_select: forward fusion picks the pending update with a select per leaf
@@ -92,6 +102,7 @@ class LoopPolicy(NamedTuple):
   ordered: bool
   stored_layouts: bool
   streamed_prefetch: bool
+  streamed_param_prefetch: bool
   carried_stacks: bool
   pending_select: bool
   forward_stacked_rows: bool
@@ -104,9 +115,11 @@ def loop_policy() -> LoopPolicy:
   scalar collectives (``_row_buffers.after``), and prefetching the slot rows with the param
   rows keeps XLA from copying the sharded stacks (measured, FSDP on 8 devices: the slot rows
   read unordered in the iteration peaked at 1.14x optax's memory per device, prefetched at
-  1.00x). Nor do they leave the slots to a whole pass after the loop there
-  (``Plan.slots_whole``): ordering that pass after the loop with ``value_after`` on a sharded
-  stack all-gathers it (measured: 18 all-gathers more on the FSDP bench's decoder). On one
+  1.00x); the host-resident rows of streamed stacks, which XLA never copies on the TPU and GPU
+  compilers, are read in the iteration there (``SHARDED_STREAMED_PREFETCH``). Nor do they
+  leave the slots to a whole pass after the loop there (``Plan.slots_whole``): ordering that
+  pass after the loop with ``value_after`` on a sharded stack all-gathers it (measured: 18
+  all-gathers more on the FSDP bench's decoder). On one
   device the order holds on every compiler (measured, backward peaks ordered against
   unordered: TPU v5e, the 1.3B decoder at 12 layers 9.83 / 10.58 GB; H100, 24 layers 17.42 /
   17.69 GB). The layout constraint is not partitioned by the SPMD partitioner (a custom call),
@@ -117,8 +130,10 @@ def loop_policy() -> LoopPolicy:
   """
   ordered = device_count() == 1
   return LoopPolicy(ordered, ordered and for_platform(STORED_LAYOUTS),
-                    for_platform(STREAMED_PREFETCH), for_platform(CARRIED_STACKS),
-                    for_platform(PENDING_SELECT), for_platform(FORWARD_STACKED_ROWS))
+                    for_platform(STREAMED_PREFETCH if ordered else SHARDED_STREAMED_PREFETCH),
+                    ordered or for_platform(SHARDED_STREAMED_PARAM_PREFETCH),
+                    for_platform(CARRIED_STACKS), for_platform(PENDING_SELECT),
+                    for_platform(FORWARD_STACKED_ROWS))
 
 
 @contextlib.contextmanager

@@ -4,8 +4,11 @@ An FSDP user's state is sharded with the params: ``tx.init`` on placed arrays ke
 sharding (``zeros_like``), and MaxText-style code shards it with ``optax.tree_map_params``. The
 tools lay out the state they compile the same way (``_inputs.state_on``), so a report for a TPU
 v5e 2x2 mesh is the peak of the step the user runs, not of one with the state replicated.
+Streamed (``offload="state"``, ``"params"``), each chip's shards live in its host memory and
+pass through the device a layer's rows at a time, so most of their bytes leave its peak.
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +93,58 @@ def test_offloaded_state_on_an_fsdp_mesh_is_sharded_in_host_memory(decoder):
   state_bytes = 2 * 4 * _models._num_params(model.params)
   # Host memory per device is this device's quarter of the state, not the whole state.
   assert report["backward"]["host_bytes"] < 0.5 * state_bytes
+
+
+# 16 layers of d=512 (ff 2048, vocab 2048, 32 tokens, batch 4): as in the 1.3B decoder, the
+# params and state are most of each device's memory and one layer's rows a small part of them,
+# at compiles of seconds.
+STREAMED = PLAN.SIZES["16x512"]
+# Streaming moves the per-device state (and params) out of device memory; what the device still
+# holds of them is the rows in flight, one layer's and the leaves outside the loop's. Issue 53
+# asks for 80 % of the streamed bytes off the peak, what one chip gets (this decoder: 86 % with
+# the state streamed, 89 % with the params too).
+SAVED_OF_STREAMED = 0.8
+
+
+@pytest.fixture(scope="module")
+def backward_peaks():
+  """``(model, peaks)``: ``peaks(offload)`` is the backward step's compiled memory per device
+  on tpu-v5e:2x2."""
+  mesh = optfuse.target_mesh("tpu-v5e:2x2", ("fsdp",))
+  model = _models.decoder(STREAMED, scanned=True, remat=True)
+  params, batch = PLAN.fsdp_inputs(model, mesh)
+  target = _registry.resolve(mesh)
+
+  @functools.cache
+  def peaks(offload):
+    fx = optfuse.fuse(optax.adamw(1e-3), mode="backward", offload=offload)
+    return _memory.step_memory(fx, model.loss, params, batch, target=target)
+
+  return model, peaks
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_streaming_the_state_under_fsdp_takes_most_of_each_devices_state_off_its_peak(
+    backward_peaks):
+  model, peaks = backward_peaks
+  kept, streamed = peaks(None), peaks("state")
+  state = 2 * 4 * _models._num_params(model.params) / 4
+  # The host bytes are this chip's quarter of AdamW's two slots, read from the compiled program.
+  assert streamed["host_bytes"] == pytest.approx(state, rel=1e-3)
+  assert kept["peak_bytes"] - streamed["peak_bytes"] >= SAVED_OF_STREAMED * streamed["host_bytes"]
+
+
+@pytest.mark.slow
+@needs_tpu
+@pytest.mark.targets
+def test_streaming_the_params_under_fsdp_takes_most_of_each_devices_params_off_its_peak_too(
+    backward_peaks):
+  _, peaks = backward_peaks
+  kept, state, params = (peaks(o) for o in (None, "state", "params"))
+  # The host now holds the loop's param stacks as well as the whole state.
+  assert params["host_bytes"] > state["host_bytes"]
+  assert kept["peak_bytes"] - params["peak_bytes"] >= SAVED_OF_STREAMED * params["host_bytes"]
 
 
 @needs_tpu

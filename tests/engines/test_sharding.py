@@ -37,7 +37,7 @@ DEFAULT_CONFIGS = ("fsdp/scan/auto", "data_parallel/mlp/explicit")
 SLOW_CONFIGS = tuple(c for c in worker.ALL_CONFIGS if c not in DEFAULT_CONFIGS)
 CONFIGS = ([pytest.param(c, id=c) for c in DEFAULT_CONFIGS]
            + [pytest.param(c, id=c, marks=pytest.mark.slow) for c in SLOW_CONFIGS])
-FUSED = ("backward", "forward", "backward_offload")
+FUSED = ("backward", "forward", "backward_offload", "backward_offload_read")
 # Where the worker also trains backward fusion of each wrong optimizer of tests/faults.py.
 FAULT_CONFIG = "fsdp/scan/auto"
 
