@@ -225,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error("--fit-models needs --fit BUDGET")
   if args.fit == "target" and not args.target:
     parser.error("--fit without a BUDGET needs --target: the budget is each target's memory")
+  if args.suite == "host_fits" and not any(
+      _what_fits.resolve(t) is not None for t in args.target or _what_fits.default_targets()):
+    parser.error("--host-fits needs an accelerator --target (tpu-v5e, l4, h100...): XLA:CPU "
+                 "counts host memory as device memory")
   rows, write, markdown, footer = _run(args)
   if args.out:
     paths = write(rows, args.out)

@@ -59,14 +59,14 @@ def run(config: DecoderConfig = CONFIG, choices: Sequence[str | None] = CHOICES,
   rows = []
   for offload in choices:
     name = _label(offload)
-    losses = float(jax.device_get(trainers[name].loss))
+    loss = float(jax.device_get(trainers[name].loss))
     rows.append({**env, "section": "offload_time", "model": model.name,
                  "description": model.description, "offload": name,
                  "step_s": timing.step_s[name], "step_min_s": min(timing.runs[name]),
                  "step_max_s": max(timing.runs[name]), "ratio": timing.ratio[name],
                  "ratio_min": min(timing.ratios[name]), "ratio_max": max(timing.ratios[name]),
                  "rounds": rounds, "steps_per_run": timing.steps_per_run,
-                 "compile_s": compiles[name], "final_loss": losses,
+                 "compile_s": compiles[name], "final_loss": loss,
                  "steps": trainers[name].steps})
   return rows
 
