@@ -465,3 +465,22 @@ def test_offload_time_times_each_choice_interleaved_on_the_same_trajectory():
     assert row["final_loss"] == rows[0]["final_loss"] and row["steps"] == rows[0]["steps"]
   assert rows[0]["ratio"] == 1.0
   assert "| params |" in _report.offload_time_markdown(rows)
+
+
+def test_host_fits_without_an_accelerator_target_says_it_needs_one(capsys):
+  with pytest.raises(SystemExit):
+    bench_main.main(["--host-fits", "--target", "cpu"])
+  assert "--host-fits needs an accelerator --target" in capsys.readouterr().err
+
+
+def test_the_offload_choices_of_the_command_line_are_the_host_tables():
+  from optfuse.bench import _what_fits
+  assert bench_main._offloads("params,state") == ("params", "state")
+  with pytest.raises(Exception, match="choose from state, params"):
+    bench_main._offloads("everything")
+  # Each choice is one backward step of the searches, in host memory per its words.
+  for offload, mode in _what_fits.OFFLOAD_MODES.items():
+    assert _what_fits.STEPS[mode] == ("backward", offload, None)
+    assert _what_fits.STEPS[f"{mode}_8bit"] == ("backward", offload, 8)
+  assert _what_fits.LABELS["backward_params_8bit"] == (
+      "backward fusion, params and 8-bit state in host memory")
