@@ -484,3 +484,16 @@ def test_the_offload_choices_of_the_command_line_are_the_host_tables():
     assert _what_fits.STEPS[f"{mode}_8bit"] == ("backward", offload, 8)
   assert _what_fits.LABELS["backward_params_8bit"] == (
       "backward fusion, params and 8-bit state in host memory")
+
+
+def test_the_host_table_cites_every_machine_it_names_the_sized_rows_too():
+  from optfuse.bench import _what_fits
+  sized = {"section": "host_sized", "target": "l4", "target_label": "l4", "mode":
+           "backward_params", "peak": 6e9, "fits": True, "budget_bytes": 17.69e9,
+           "host_bytes": 78e9, "layers": 32, "dim": 4096, "seq": 2048, "batch": 1,
+           "params": "6.6B", "machines": [{"machine": "GCP g2-standard-* (1 L4)",
+                                           "memory_bytes": None, "holds": None}]}
+  table = _what_fits.host_markdown([sized])
+  assert "| l4 (17.69 GB) | backward fusion, params and state in host memory | 6.00 GB | yes | " \
+      "78.00 GB | GCP g2-standard-* (1 L4): unknown |" in table
+  assert "- GCP g2-standard-* (1 L4): not found:" in table

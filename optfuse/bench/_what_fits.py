@@ -421,7 +421,7 @@ def host_markdown(rows: Sequence[dict[str, Any]]) -> str:
   head = [f"d={d}: layers at batch 1" if a == "layers" else f"d={d}: batch at {n} layers"
           for a, d, n in searches]
   out = ["| target (device memory) | machine | host memory | offload | " + " | ".join(head)
-         + " |", "|---|---|---:|---|" + "---|" * len(head)]
+         + " |", "|---|---|---:|---|" + "---|" * len(head)] if fits else []
   for name in dict.fromkeys(r["target"] for r in fits):
     got = [r for r in fits if r["target"] == name]
     first = got[0]
@@ -450,7 +450,7 @@ def host_markdown(rows: Sequence[dict[str, Any]]) -> str:
       out.append(f"| {r['target_label']} ({_memory.format_bytes(r['budget_bytes'])}) | "
                  f"{LABELS[r['mode']]} | {peak} | {'yes' if r['fits'] else '**no**'} | {host} "
                  f"| {held} |")
-  machines = {m["machine"]: m for r in fits for m in r["machines"]}
+  machines = {m["machine"] for r in rows for m in r["machines"]}
   out += ["", "Host memory: a machine's whole memory, of which the system and the process take "
           "some; sources:", ""]
   out += [f"- {h.machine}: {h.source}" for h in _hosts.HOSTS if h.machine in machines]
