@@ -11,6 +11,11 @@ and its batch, so a search takes about four compiles, two when a previous target
 right; the answer is exact (it fits, one more does not). Peaks come from the disk cache of
 ``_cache`` where the same code and compilers measured them before.
 
+``--host-fits`` (``run_host``) runs the same searches with the params in host memory too
+(``offload="params"``, or any choice of ``OFFLOAD_MODES``), at d=2048 and d=4096, and sets the
+host bytes each answer needs beside the host memory of the machines the target comes in
+(``_hosts``), with the 6.6B decoder at its size on TPU v5e and L4.
+
 The main job (``--quick``) asks less: the peak of the 1.3B decoder itself (24 layers, batch 1)
 per accelerator target, one compile a step (``at_size``), since a TPU compile of this model takes
 one to one and a half CPU-minutes on two cores and the searches take three or four a step. Its
