@@ -82,8 +82,8 @@ def hand_lowered_optax_peak(loss, tx, params, batch, mesh, state_like_params: bo
 def streamed_share(kept: dict, streamed: dict) -> str:
   """How far streaming lowers backward fusion's peak per device, against what it streams."""
   saved, host = kept["peak_bytes"] - streamed["peak_bytes"], streamed["host_bytes"]
-  return (f"backward fusion's peak falls by {_memory.format_bytes(saved)} per device, "
-          f"{saved / host:.0%} of the {_memory.format_bytes(host)} each device streams")
+  return (f"backward fusion's peak falls by {_compiled.format_bytes(saved)} per device, "
+          f"{saved / host:.0%} of the {_compiled.format_bytes(host)} each device streams")
 
 
 def main(argv=None) -> None:

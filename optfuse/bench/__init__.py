@@ -10,9 +10,12 @@ step fits the budget, for the big scanned decoders (compile-only, seconds per co
 Modules: ``_models`` (the models in plain JAX), ``_timing`` (compiling and interleaved timing),
 ``_forms`` (scanned decoders as codebases write them), ``_suite`` (the suites, the measuring loop,
 the compile-only memory section and the memory floor), ``_fit_table`` (the ``--fit`` search),
-``_what_fits`` (the largest decoder per target), ``_fsdp`` (per-device memory under FSDP),
-``_cache`` (compile-only peaks on disk), ``_report`` (tables, files, plot), ``__main__`` (the
-command line).
+``_what_fits`` (the largest decoder per target, and with offload beside each machine's host
+memory), ``_hosts`` (the machines the targets come in: host memory, host link, peak FLOP/s, with
+sources), ``_offload_cost`` (the bytes a streamed step moves and the time they take: a model),
+``_offload_time`` (the streamed step's time on this machine), ``_fsdp`` (per-device memory under
+FSDP), ``_cache`` (compile-only peaks on disk), ``_report`` (tables, files, plot), ``__main__``
+(the command line).
 """
 
 from optfuse.bench._suite import SUITES as SUITES

@@ -1,5 +1,6 @@
 """The command line of the benchmark: ``python -m optfuse.bench [--quick|--memory|--fsdp|
---what-fits|--slices|--fit [BUDGET]] [--target NAMES] [--out DIR]``."""
+--what-fits|--host-fits|--offload-cost|--offload-time|--slices|--fit [BUDGET]] [--target NAMES]
+[--out DIR]``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ from collections.abc import Callable, Sequence
 from optfuse._analysis._fit import parse_budget
 from optfuse._base._errors import BudgetError, TargetError
 from optfuse._targets import _registry
-from optfuse.bench import _fit_table, _fsdp, _report, _slices, _suite, _what_fits
+from optfuse.bench import (
+  _fit_table,
+  _fsdp,
+  _offload_cost,
+  _offload_time,
+  _report,
+  _slices,
+  _suite,
+  _what_fits,
+)
 
 
 def _budget(text: str) -> int | str:
@@ -30,6 +40,16 @@ def _fit_models(text: str) -> tuple[str, ...]:
     raise argparse.ArgumentTypeError(
         f"unknown model(s) {', '.join(unknown) or text!r}; choose from "
         f"{', '.join(_fit_table.fit_models())}")
+  return names
+
+
+def _offloads(text: str) -> tuple[str, ...]:
+  names = tuple(n.strip() for n in text.split(",") if n.strip())
+  unknown = [n for n in names if n not in _what_fits.OFFLOAD_MODES]
+  if unknown or not names:
+    raise argparse.ArgumentTypeError(
+        f"unknown offload choice(s) {', '.join(unknown) or text!r}; choose from "
+        f"{', '.join(_what_fits.OFFLOAD_MODES)}")
   return names
 
 
@@ -72,6 +92,22 @@ def _parser() -> argparse.ArgumentParser:
   size.add_argument("--what-fits", action="store_const", dest="suite", const="what_fits",
                     help="per --target: the largest d=2048 scanned decoder (layers at batch 1, "
                     "batch at 24 layers) that fits with optax and with backward fusion")
+  size.add_argument("--host-fits", action="store_const", dest="suite", const="host_fits",
+                    help="per accelerator --target and the machines it comes in (their host "
+                    "memory, with its source): the deepest d=2048 and d=4096 decoders at batch "
+                    "1 and the largest batch at 24 layers with each --offload choice (default "
+                    "params), the host bytes each needs and whether each machine holds them; "
+                    "then the 6.6B decoder on TPU v5e and L4 (with --state-bits, also in low "
+                    "bits); compile-only")
+  size.add_argument("--offload-cost", action="store_const", dest="suite", const="offload_cost",
+                    help="a model, not a timing: the bytes each offload choice moves a step "
+                    "(from the plan) for the 1.3B and 6.6B decoders, the time they take at each "
+                    "chip's host link beside the step's matmuls at its peak FLOP/s, and the "
+                    "batch from which the transfer hides; the figures' sources")
+  size.add_argument("--offload-time", action="store_const", dest="suite", const="offload_time",
+                    help="on this machine: backward fusion's step time with no offload, the "
+                    "state and the params in host memory, for the 8-layer d=256 scanned decoder, "
+                    "interleaved rounds (--rounds), median and range")
   size.add_argument("--slices", action="store_const", dest="suite", const="slices",
                     help="per kind of chip among the --target slices (default: TPU v5e and v6e "
                     "of 1, 4 and 8 chips, and the registry's GPUs): the fewest chips on which "
@@ -98,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--state-bits", type=int, choices=(8, 4),
                       help="--slices with AdamW's state in 8 or 4 bits (optfuse.low_bit); "
                       "--what-fits with those rows added")
+  parser.add_argument("--offload", metavar="CHOICES", type=_offloads, default=("params",),
+                      help="comma-separated offload choices of --host-fits (default params): "
+                      f"{', '.join(_what_fits.OFFLOAD_MODES)}")
+  parser.add_argument("--rounds", type=int, default=7, metavar="N",
+                      help="--offload-time's interleaved rounds (default 7)")
   parser.add_argument("--max-batch-per-chip", type=int, metavar="N",
                       help="--slices searches batches up to N per chip (a step that fits N "
                       "answers N, marked as the cap): fewer compiles for a model far smaller "
@@ -137,6 +178,19 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
                        use_cache=not args.no_cache, progress=progress,
                        max_batch_per_chip=args.max_batch_per_chip)
     write, markdown, footer = _report.write_slices, _slices.markdown, ""
+  elif args.suite == "host_fits":
+    targets = args.target or tuple(n for n in _what_fits.default_targets() if n != "cpu")
+    rows = _what_fits.run_host(targets, args.offload, use_cache=not args.no_cache,
+                               progress=progress, state_bits=args.state_bits)
+    write, markdown = _report.write_host_fits, _report.host_fits_markdown
+    footer = f"(--host-fits: {time.perf_counter() - start:.0f} s)"
+  elif args.suite == "offload_cost":
+    rows = _offload_cost.run()
+    write, markdown, footer = _report.write_offload_cost, _report.offload_cost_markdown, ""
+  elif args.suite == "offload_time":
+    rows = _offload_time.run(rounds=args.rounds)
+    write, markdown = _report.write_offload_time, _report.offload_time_markdown
+    footer = f"(--offload-time: {time.perf_counter() - start:.0f} s)"
   elif args.suite == "what_fits":
     rows = _what_fits.run(args.target or _what_fits.default_targets(), ("layers", "batch"),
                           use_cache=not args.no_cache, progress=progress,
@@ -171,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error("--fit-models needs --fit BUDGET")
   if args.fit == "target" and not args.target:
     parser.error("--fit without a BUDGET needs --target: the budget is each target's memory")
+  if args.suite == "host_fits" and not any(
+      _what_fits.resolve(t) is not None for t in args.target or _what_fits.default_targets()):
+    parser.error("--host-fits needs an accelerator --target (tpu-v5e, l4, h100...): XLA:CPU "
+                 "counts host memory as device memory")
   rows, write, markdown, footer = _run(args)
   if args.out:
     paths = write(rows, args.out)

@@ -12,7 +12,7 @@ import matplotlib.patches
 from matplotlib.figure import Figure
 
 from optfuse._targets._compiled import format_bytes
-from optfuse.bench import _slices, _what_fits
+from optfuse.bench import _offload_cost, _offload_time, _slices, _what_fits
 
 FLOOR_NOTE = (
     "Floor (estimate): optax's compiled peak minus the whole gradient plus the gradient that must "
@@ -283,6 +283,58 @@ def what_fits_markdown(rows: Sequence[dict[str, Any]]) -> str:
 def write_what_fits(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
   """Writes ``what_fits.json`` and ``what_fits.md`` into ``out_dir``; returns name -> path."""
   return write_tables(rows, out_dir, "what_fits", what_fits_markdown)
+
+
+def host_fits_markdown(rows: Sequence[dict[str, Any]]) -> str:
+  """The ``--host-fits`` results: the host table and the 6.6B decoder's rows."""
+  env = rows[0]
+  return "\n".join([
+      f"## optfuse.bench `--host-fits`: jax {env['jax_version']}, optax {env['optax_version']}",
+      "", "Compile-only (exact and deterministic for these versions): scanned remat decoders of "
+      "width 2048 (16 heads, ff=8192) and 4096 (32 heads, ff=16384), vocab 32000, AdamW, "
+      "float32 params, T=2048. Each cell: the deepest decoder at batch 1 (or the largest batch "
+      "at 24 layers) whose step fits the target's device memory, the host bytes that step "
+      "needs, whether the machine's host memory holds them and, where it does not, the deepest "
+      "decoder it holds (the host bytes are affine in the depth).", "",
+      _what_fits.host_markdown(rows)]) + "\n"
+
+
+def write_host_fits(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
+  """Writes ``host_fits.json`` and ``host_fits.md`` into ``out_dir``; returns name -> path."""
+  return write_tables(rows, out_dir, "host_fits", host_fits_markdown)
+
+
+def offload_cost_markdown(rows: Sequence[dict[str, Any]]) -> str:
+  """The ``--offload-cost`` model: bytes a step, transfer and matmul times, hiding batch."""
+  env = rows[0]
+  return "\n".join([
+      f"## optfuse.bench `--offload-cost`: jax {env['jax_version']}, optax "
+      f"{env['optax_version']}", "", "A model, not a timing (`optfuse/bench/_offload_cost.py`): "
+      "bytes from the plan (a host param row read twice and written once, a state or pending "
+      "gradient row read once and written once); transfer = bytes read / the host link each "
+      "way; matmuls = the step's matmul FLOPs / the chip's peak. Peak FLOP/s is an upper "
+      "bound: at 40 % of it the transfers hide from 0.4 times the batch given.", "",
+      _offload_cost.markdown(rows)]) + "\n"
+
+
+def write_offload_cost(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
+  """Writes ``offload_cost.json`` and ``offload_cost.md`` into ``out_dir``."""
+  return write_tables(rows, out_dir, "offload_cost", offload_cost_markdown)
+
+
+def offload_time_markdown(rows: Sequence[dict[str, Any]]) -> str:
+  """The ``--offload-time`` timings."""
+  env = rows[0]
+  return "\n".join([
+      f"## optfuse.bench `--offload-time`: jax {env['jax_version']}, optax "
+      f"{env['optax_version']}", "", _offload_time.markdown(rows), "A ratio whose range holds "
+      "1.00 is parity: other processes on the machine move single runs more than the choice "
+      "does."]) + "\n"
+
+
+def write_offload_time(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:
+  """Writes ``offload_time.json`` and ``offload_time.md`` into ``out_dir``."""
+  return write_tables(rows, out_dir, "offload_time", offload_time_markdown)
 
 
 def write_slices(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:

@@ -248,7 +248,7 @@ def environment() -> dict[str, Any]:
   }
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
   """The 1-minute load average (other processes slow the timings down), where known."""
   return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
@@ -317,7 +317,7 @@ def run_suite(suite: Suite, progress: bool = True, targets: tuple[Any, ...] = (N
   The cells are timed on this machine; the large models are compiled for each of ``targets``
   (``None``: this machine).
   """
-  env = {**environment(), "suite": suite.name, "load_average_start": _load_average()}
+  env = {**environment(), "suite": suite.name, "load_average_start": load_average()}
   jobs = [(f"{c.model.name}/{c.optimizer}", lambda c=c: run_cell(c, suite)) for c in suite.cells]
   # The large decoders on an accelerator's compiler also with the state in host memory
   # (XLA:CPU counts host memory as device memory), the other models with the memory guard.
@@ -331,7 +331,7 @@ def run_suite(suite: Suite, progress: bool = True, targets: tuple[Any, ...] = (N
     for label, job in bar:
       bar.set_postfix_str(label)
       rows.extend(job())
-  env["load_average_end"] = _load_average()
+  env["load_average_end"] = load_average()
   for row in rows:
     row.setdefault("time_ratio", None)
     row.setdefault("peak_bytes", None)

@@ -69,11 +69,15 @@ class Timing(NamedTuple):
     step_s: name -> median seconds per step.
     ratio: name -> median over rounds of (seconds per step / the reference's in the same round).
     steps_per_run: steps in each timed run.
+    runs: name -> seconds per step of each timed run, in round order.
+    ratios: name -> each round's ratio to the reference, in round order.
   """
 
   step_s: dict[str, float]
   ratio: dict[str, float]
   steps_per_run: int
+  runs: dict[str, list[float]]
+  ratios: dict[str, list[float]]
 
 
 def interleaved(trainers: Mapping[str, Trainer], reference: str, rounds: int, warmup: int,
@@ -103,9 +107,9 @@ def interleaved(trainers: Mapping[str, Trainer], reference: str, rounds: int, wa
     for name in names if r % 2 == 0 else reversed(names):
       times[name].append(trainers[name].run(steps))
   ref = times[reference]
+  ratios = {name: [a / b for a, b in zip(t, ref, strict=True)] for name, t in times.items()}
   return Timing({name: statistics.median(t) for name, t in times.items()},
-                {name: statistics.median(a / b for a, b in zip(t, ref, strict=True))
-                 for name, t in times.items()}, steps)
+                {name: statistics.median(r) for name, r in ratios.items()}, steps, times, ratios)
 
 
 def interleaved_compiles(compile_fns: Mapping[str, Callable[[], float]],

@@ -303,3 +303,198 @@ def test_the_main_job_leads_with_the_step_that_fits_each_accelerator_one_compile
             "optimizer": "adamw", "mode": "off", "time_ratio": None, "peak_bytes": None}
   text = _report.markdown([timing, *({**r, **env} for r in rows)])
   assert "**On the accelerators**" in text and line in text
+
+
+# --- offload: the host table, the transfer model, the CPU timing ---------------------------
+
+
+def test_every_machine_states_its_host_memory_with_a_source_or_says_not_found():
+  from optfuse.bench import _hosts
+  for host in _hosts.HOSTS:
+    assert host.target in _registry.SPECS, host
+    if host.memory_bytes is None:
+      assert host.source.startswith("not found"), host
+    else:
+      assert "https://" in host.source and not host.source.startswith("not found"), host
+  # The machines the issue names: Colab's TPU v5e-1 and T4, a TPU v5e-1 VM, the L4, A100 and
+  # H100 VMs.
+  assert {h.target for h in _hosts.HOSTS} == {"tpu-v5e", "t4", "l4", "a100-40gb", "a100-80gb",
+                                              "h100"}
+  vm = next(h for h in _hosts.hosts_of("tpu-v5e:1x1") if "ct5lp-hightpu-1t" in h.machine)
+  assert vm.memory_bytes == 48 * 10**9
+  assert _hosts.holds(vm, 48 * 10**9) is True and _hosts.holds(vm, 48 * 10**9 + 1) is False
+  assert _hosts.holds(vm, None) is None
+  assert _hosts.holds(_hosts.hosts_of("l4")[0], 1) is None  # its memory was not found
+
+
+def test_every_chip_of_the_transfer_model_cites_its_peak_and_its_link():
+  from optfuse.bench import _hosts
+  for chip in _hosts.CHIPS.values():
+    assert chip.target in _registry.SPECS and chip.peak_flops > 1e13, chip
+    assert "https://" in chip.flops_source, chip
+    assert (chip.link_bytes_per_s is None) == chip.link_source.startswith("not found"), chip
+  assert {h.target for h in _hosts.HOSTS} <= set(_hosts.CHIPS)
+
+
+def test_a_host_param_row_is_read_twice_and_written_once_a_state_row_once_each_way():
+  from optfuse.bench import _offload_cost
+  assert _offload_cost.moved_bytes(param_bytes=0, other_bytes=10) == (10, 10)  # state only
+  assert _offload_cost.moved_bytes(param_bytes=4, other_bytes=10) == (18, 14)
+
+
+def test_the_plan_gives_the_host_params_and_the_other_host_bytes_of_each_offload_choice():
+  import optax
+
+  from optfuse import _fuse
+  from optfuse.bench import _offload_cost
+  c = bench_fit.TINY_DECODER
+  model = _models.decoder(c, scanned=True, remat=True)
+  params, batch = _models.abstract(model.params), _models.abstract(model.batch)
+  total, stacks = _models.grad_bytes(model.params), _models.grad_bytes(model.params["layers"])
+  expected = {("state", "backward"): (0, 2 * total),           # AdamW's mu and nu
+              ("state", "forward"): (0, 3 * total),            # and the pending gradient
+              ("params", "backward"): (stacks, 2 * total),     # the loop stacks too
+              ("params", "forward"): (stacks, 3 * total)}
+  for (offload, mode), want in expected.items():
+    fx = _fuse.fuse(optax.adamw(1e-3), mode=mode, offload=offload)
+    assert _offload_cost.plan_bytes(fx, model.loss, params, batch) == want, (offload, mode)
+
+
+def test_the_step_flops_count_every_matmul_of_the_decoder_forward_recompute_and_backward():
+  from optfuse.bench import _offload_cost
+  from optfuse.bench._models import DecoderConfig
+  c = DecoderConfig(layers=2, dim=4, heads=1, ff=8, vocab=10, seq=3, batch=5)
+  layer = 2 * (4 * 12 + 4 * 4 + 4 * 8 + 8 * 4) + 4 * 3 * 4   # qkv, proj, up, down; attention
+  head = 2 * 4 * 10
+  tokens = 5 * 3
+  assert _offload_cost.step_flops(c, remat=False) == tokens * 3 * (2 * layer + head)
+  assert _offload_cost.step_flops(c) == tokens * (4 * 2 * layer + 3 * head)
+  # The batch scales the FLOPs, not the bytes: the hiding batch is their ratio.
+  assert _offload_cost.step_flops(c._replace(batch=10)) == 2 * _offload_cost.step_flops(c)
+
+
+def test_the_transfer_hides_from_the_batch_whose_matmuls_outlast_it():
+  from optfuse.bench import _hosts, _offload_cost
+  chip = _hosts.Chip("x", "x", peak_flops=2e12, flops_source="", link_bytes_per_s=1e9,
+                     link_source="")
+  moved = _offload_cost.Moved(reads=5e9, writes=1e9)            # 5 s each way (reads)
+  cost = _offload_cost.cost(moved, flops=2e12, chip=chip)        # 1 s of matmuls at batch 1
+  assert cost.transfer_s == 5.0 and cost.matmul_s == 1.0 and cost.hiding_batch == 5
+  assert cost.link_needed == 5e9                                 # the link that hides it now
+  assert _offload_cost.cost(moved, flops=20e12, chip=chip).hiding_batch == 1
+  unknown = chip._replace(link_bytes_per_s=None)
+  assert _offload_cost.cost(moved, 2e12, unknown) == (None, 1.0, None, 5e9)
+
+
+def test_offload_cost_prints_each_choice_and_chip_with_its_sources(monkeypatch):
+  from optfuse.bench import _offload_cost, _report
+  monkeypatch.setattr(_offload_cost, "MODELS", {"tiny": bench_fit.TINY_DECODER})
+  rows = _offload_cost.run(chips=("tpu-v5e", "h100"))
+  assert {(r["offload"], r["mode"], r["chip"]) for r in rows} == {
+      (o, m, c) for o in _offload_cost.OFFLOADS for m in _offload_cost.STEP_MODES
+      for c in ("tpu-v5e", "h100")}
+  text = _report.offload_cost_markdown(rows)
+  assert "A model, not a timing" in text and "| params | backward |" in text
+  assert "needs " in text  # TPU v5e's link is not published: the link it would need
+  assert "glennklockwood.com/garden/processors/h100" in text
+
+
+def test_the_host_depth_is_read_from_the_affine_host_bytes_up_to_the_device_depth():
+  from optfuse.bench import _what_fits
+  # 200 bytes a layer on 200 where the loops fuse (a 1-layer step has no loop to stream).
+  hosts = {1: 900, 4: 1_000, 8: 1_800, 100: 20_200}
+  assert _what_fits.host_depth(hosts, 2_000, best=50) == 9
+  assert _what_fits.host_depth(hosts, 10**9, best=50) == 50
+  assert _what_fits.host_depth(hosts, 100, best=50) == 0
+  assert _what_fits.host_depth(hosts, None, best=50) is None
+  assert _what_fits.host_depth({4: 1_000, 5: None}, 2_000, best=50) is None
+
+
+def _host_row(axis, dim, best, host, holds, depth=None):
+  machine = {"machine": "VM", "memory_bytes": 48 * 10**9, "source": "s", "holds": holds,
+             "depth_held": depth}
+  return {"section": "host_fits", "target": "tpu-v5e", "target_label": "tpu-v5e",
+          "axis": axis, "mode": "backward_params", "offload": "params", "max": best,
+          "dim": dim, "seq": 2048, "batch_layers": 24, "params_at_max": "5B",
+          "host_at_max": host, "budget_bytes": 16.91e9, "machines": [machine]}
+
+
+def test_the_host_table_says_per_machine_whether_it_holds_each_answer():
+  from optfuse.bench import _what_fits
+  rows = [_host_row("layers", 2048, 100, 60e9, False, 70),
+          _host_row("layers", 4096, 30, 40e9, True), _host_row("batch", 2048, 9, 15e9, True)]
+  table = _what_fits.host_markdown(rows)
+  assert ("| d=2048: layers at batch 1 | d=4096: layers at batch 1 | d=2048: batch at 24 "
+          "layers |") in table
+  assert ("| tpu-v5e (16.91 GB) | VM | 48.00 GB | params | 100 layers (5B): 60.00 GB host, "
+          "**no**; holds 70 layers | 30 layers (5B): 40.00 GB host, yes | batch 9: 15.00 GB "
+          "host, yes |") in table
+
+
+@pytest.mark.slow
+@pytest.mark.targets
+@pytest.mark.skipif(not _registry.compiler_installed("tpu"),
+                    reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
+def test_host_fits_finds_the_deepest_decoder_with_its_host_bytes_on_tpu(tmp_path, monkeypatch):
+  from optfuse.bench import _what_fits
+  monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path / "cache.json"))
+  tiny = bench_fit.TINY_DECODER
+  rows = _what_fits.run_host(["cpu", "tpu-v5e"], ("state", "params"), progress=False,
+                             searches=(("layers", tiny),), sized=tiny, budget=8_000_000)
+  fits = {r["offload"]: r for r in rows if r["section"] == "host_fits"}
+  assert set(fits) == {"state", "params"}  # "cpu" has no host memory apart: no rows
+  for row in fits.values():
+    assert row["peak_at_max"] <= 8_000_000 < row["next_peak"], row  # exact
+    assert row["host_at_max"] > 0 and len(row["machines"]) == 2
+    # Both machines hold these few megabytes (or say their memory is unknown).
+    assert [m["holds"] for m in row["machines"]] == [None, True]
+  sized = [r for r in rows if r["section"] == "host_sized"]
+  assert [r["mode"] for r in sized] == ["backward_offload", "backward_params"]
+  assert all(r["host_bytes"] > 0 for r in sized)
+  assert "| tpu-v5e (8.00 MB) | Cloud TPU v5e-1 VM" in _what_fits.host_markdown(rows)
+
+
+@pytest.mark.slow
+def test_offload_time_times_each_choice_interleaved_on_the_same_trajectory():
+  from optfuse.bench import _offload_time, _report
+  rows = _offload_time.run(config=bench_fit.TINY_DECODER._replace(batch=2), rounds=3, warmup=1,
+                           min_run_s=0.001)
+  assert [r["offload"] for r in rows] == ["none", "state", "params"]
+  for row in rows:
+    assert row["step_min_s"] <= row["step_s"] <= row["step_max_s"], row
+    assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"], row
+    assert row["final_loss"] == rows[0]["final_loss"] and row["steps"] == rows[0]["steps"]
+  assert rows[0]["ratio"] == 1.0
+  assert "| params |" in _report.offload_time_markdown(rows)
+
+
+def test_host_fits_without_an_accelerator_target_says_it_needs_one(capsys):
+  with pytest.raises(SystemExit):
+    bench_main.main(["--host-fits", "--target", "cpu"])
+  assert "--host-fits needs an accelerator --target" in capsys.readouterr().err
+
+
+def test_the_offload_choices_of_the_command_line_are_the_host_tables():
+  from optfuse.bench import _what_fits
+  assert bench_main._offloads("params,state") == ("params", "state")
+  with pytest.raises(Exception, match="choose from state, params"):
+    bench_main._offloads("everything")
+  # Each choice is one backward step of the searches, in host memory per its words.
+  for offload, mode in _what_fits.OFFLOAD_MODES.items():
+    assert _what_fits.STEPS[mode] == ("backward", offload, None)
+    assert _what_fits.STEPS[f"{mode}_8bit"] == ("backward", offload, 8)
+  assert _what_fits.LABELS["backward_params_8bit"] == (
+      "backward fusion, params and 8-bit state in host memory")
+
+
+def test_the_host_table_cites_every_machine_it_names_the_sized_rows_too():
+  from optfuse.bench import _what_fits
+  sized = {"section": "host_sized", "target": "l4", "target_label": "l4", "mode":
+           "backward_params", "peak": 6e9, "fits": True, "budget_bytes": 17.69e9,
+           "host_bytes": 78e9, "layers": 32, "dim": 4096, "seq": 2048, "batch": 1,
+           "params": "6.6B", "machines": [{"machine": "GCP g2-standard-* (1 L4)",
+                                           "memory_bytes": None, "holds": None}]}
+  table = _what_fits.host_markdown([sized])
+  assert "| l4 (17.69 GB) | backward fusion, params and state in host memory | 6.00 GB | yes | " \
+      "78.00 GB | GCP g2-standard-* (1 L4): unknown |" in table
+  assert "- GCP g2-standard-* (1 L4): not found:" in table
