@@ -15,6 +15,7 @@ from optfuse._targets import _registry
 from optfuse.bench import (
   _fit_table,
   _fsdp,
+  _host_fits,
   _offload_cost,
   _offload_time,
   _report,
@@ -118,6 +119,13 @@ def _parser() -> argparse.ArgumentParser:
                       f"(this machine), {', '.join(_registry.SPECS)}, optionally with a topology "
                       "(tpu-v5e:2x2). Default: cpu, and tpu-v5e where libtpu is installed "
                       "(--quick, --what-fits); cpu otherwise")
+  _add_run_options(parser)
+  return parser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+  """The options that tune a section: its cache, model, state bits, offload choices, rounds and
+  output."""
   parser.add_argument("--no-cache", action="store_true",
                       help="recompile the what-fits searches instead of reading the disk cache "
                       "of compile-only peaks (optfuse/bench/_cache.py)")
@@ -147,7 +155,6 @@ def _parser() -> argparse.ArgumentParser:
                       help="write results.json, results.md and results.png into DIR (with "
                       "--fsdp: fsdp.json and fsdp.md; with --fit: fit.json and fit.md)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-  return parser
 
 
 def _quick_slices(use_cache: bool, progress: bool) -> list[dict]:
@@ -180,7 +187,7 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
     write, markdown, footer = _report.write_slices, _slices.markdown, ""
   elif args.suite == "host_fits":
     targets = args.target or tuple(n for n in _what_fits.default_targets() if n != "cpu")
-    rows = _what_fits.run_host(targets, args.offload, use_cache=not args.no_cache,
+    rows = _host_fits.run_host(targets, args.offload, use_cache=not args.no_cache,
                                progress=progress, state_bits=args.state_bits)
     write, markdown = _report.write_host_fits, _report.host_fits_markdown
     footer = f"(--host-fits: {time.perf_counter() - start:.0f} s)"

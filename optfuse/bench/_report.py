@@ -12,7 +12,7 @@ import matplotlib.patches
 from matplotlib.figure import Figure
 
 from optfuse._targets._compiled import format_bytes
-from optfuse.bench import _offload_cost, _offload_time, _slices, _what_fits
+from optfuse.bench import _host_fits, _offload_cost, _offload_time, _slices, _what_fits
 
 FLOOR_NOTE = (
     "Floor (estimate): optax's compiled peak minus the whole gradient plus the gradient that must "
@@ -296,7 +296,7 @@ def host_fits_markdown(rows: Sequence[dict[str, Any]]) -> str:
       "at 24 layers) whose step fits the target's device memory, the host bytes that step "
       "needs, whether the machine's host memory holds them and, where it does not, the deepest "
       "decoder it holds (the host bytes are affine in the depth).", "",
-      _what_fits.host_markdown(rows)]) + "\n"
+      _host_fits.host_markdown(rows)]) + "\n"
 
 
 def write_host_fits(rows: Sequence[dict[str, Any]], out_dir: str) -> dict[str, str]:

@@ -11,10 +11,7 @@ and its batch, so a search takes about four compiles, two when a previous target
 right; the answer is exact (it fits, one more does not). Peaks come from the disk cache of
 ``_cache`` where the same code and compilers measured them before.
 
-``--host-fits`` (``run_host``) runs the same searches with the params in host memory too
-(``offload="params"``, or any choice of ``OFFLOAD_MODES``), at d=2048 and d=4096, and sets the
-host bytes each answer needs beside the host memory of the machines the target comes in
-(``_hosts``), with the 6.6B decoder at its size on TPU v5e and L4.
+``--host-fits`` (``_host_fits``) runs the same searches with the params in host memory too.
 
 The main job (``--quick``) asks less: the peak of the 1.3B decoder itself (24 layers, batch 1)
 per accelerator target, one compile a step (``at_size``), since a TPU compile of this model takes
@@ -28,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 from typing import Any
 
 import optax
@@ -37,7 +33,7 @@ from tqdm.auto import tqdm
 from optfuse import _fuse
 from optfuse._analysis import _fit, _memory
 from optfuse._targets import _compiled, _registry
-from optfuse.bench import _cache, _hosts, _models, _suite
+from optfuse.bench import _cache, _models, _suite
 from optfuse.bench._models import DecoderConfig
 
 WIDE = _suite.DECODER_1_3B
@@ -200,7 +196,7 @@ def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool
             rows.append({**env, "section": "fits", "target": name, "target_label": label,
                          "axis": axis, "mode": mode, "max": best, "dim": config.dim,
                          "seq": config.seq, "batch_layers": config.layers,
-                         "params_at_max": _params(at) if best else None,
+                         "params_at_max": params_label(at) if best else None,
                          "peak_at_max": seen.get(best), "next_peak": seen.get(best + 1),
                          "budget_bytes": memory, "budget_source": source,
                          "compiles_asked": len(seen)})
@@ -211,7 +207,7 @@ def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool
   return rows
 
 
-def _params(c: DecoderConfig) -> str:
+def params_label(c: DecoderConfig) -> str:
   return _models.param_count(_models.decoder(c, scanned=True, remat=True).params)
 
 
@@ -282,7 +278,7 @@ def at_size(names: Sequence[str], modes: Sequence[str] = QUICK_MODES, use_cache:
                        "host_bytes": peaks.host(name, mode, config),
                        "budget_bytes": memory, "budget_source": source,
                        "layers": config.layers, "dim": config.dim, "seq": config.seq,
-                       "batch": config.batch, "params": _params(config)})
+                       "batch": config.batch, "params": params_label(config)})
     finally:
       peaks.save()
   return rows
@@ -311,152 +307,3 @@ def sized_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
                f"d={first['dim']}, T={first['seq']}, batch {first['batch']}) with AdamW: "
                + "; ".join([lead, *rest]))
   return out
-
-
-# The host table (``run_host``): the deepest d=2048 and d=4096 decoders at batch 1 and the
-# largest batch of the 24-layer d=2048 decoder, each offload choice's backward step.
-WIDE_4096 = _suite.DECODER_6_6B
-HOST_SEARCHES = (("layers", WIDE), ("layers", WIDE_4096), ("batch", WIDE))
-# The 6.6B decoder at its size on one chip of each (the issue's TPU v5e and L4).
-SIZED_TARGETS = ("tpu-v5e", "l4")
-
-
-def host_depth(hosts: dict[int, int | None], memory: int | None, best: int) -> int | None:
-  """The deepest decoder, up to ``best`` layers, whose host bytes ``memory`` holds.
-
-  A layer adds its rows of params and state to the host, so the host bytes are affine in the
-  depth: the line through the two deepest of ``hosts`` (layers -> host bytes, as compiled)
-  gives them at every depth the loops fuse. ``None`` when ``memory`` is unknown or fewer than
-  two depths were compiled.
-
-  Examples:
-    >>> host_depth({4: 1_000, 8: 1_800}, memory=2_000, best=50)  # 200 + 200 a layer
-    9
-  """
-  points = sorted(k for k, h in hosts.items() if h is not None)
-  if memory is None or len(points) < 2:
-    return None
-  a, b = points[-2], points[-1]
-  per_layer = Fraction(hosts[b] - hosts[a], b - a)
-  if per_layer <= 0:
-    return best
-  base = hosts[a] - per_layer * a
-  return max(0, min(best, math.floor((memory - base) / per_layer)))
-
-
-def run_host(names: Sequence[str], offloads: Sequence[str] = ("params",),
-             use_cache: bool = True, progress: bool = True, state_bits: int | None = None,
-             searches: Sequence[tuple[str, DecoderConfig]] = HOST_SEARCHES,
-             sized: DecoderConfig | None = _suite.DECODER_6_6B,
-             budget: int | None = None) -> list[dict[str, Any]]:
-  """The host table: per accelerator target (``"cpu"`` is skipped: XLA:CPU counts host memory
-  as device memory) and offload choice, each search of ``searches`` (the deepest decoder at
-  batch 1, the largest batch at its depth) with the host bytes its answer needs and, per
-  machine of ``_hosts.hosts_of(target)``, whether that machine holds them and (depth searches)
-  the deepest decoder it holds. Then ``sized`` (the 6.6B decoder) at its size on the targets of
-  ``SIZED_TARGETS`` among ``names``, with each offload choice's step, in float32 and with
-  ``state_bits``-bit state. ``budget`` replaces each target's memory (for tests)."""
-  names = [n for n in names if resolve(n) is not None]
-  rows, previous = [], {}
-  with tqdm(desc="optfuse.bench host fits", unit="compile", disable=not progress) as bar:
-    peaks = Peaks(use_cache, bar)
-    try:
-      env = _suite.environment()
-      for name in names:
-        label, memory, source = _memory.target_budget(resolve(name))
-        memory, source = (memory, source) if budget is None else (budget, "given")
-        for axis, config in searches:
-          for offload in offloads:
-            mode = OFFLOAD_MODES[offload]
-            best, seen = search(name, mode, axis, peaks, memory,
-                                previous.get((axis, config, mode)), config)
-            peaks.save()
-            previous[(axis, config, mode)] = seen
-            base = config._replace(batch=1) if axis == "layers" else config
-            hosts = {k: peaks.host(name, mode, base._replace(**{axis: k})) for k in seen}
-            need = hosts.get(best)
-            machines = [{"machine": h.machine, "memory_bytes": h.memory_bytes,
-                         "source": h.source, "holds": _hosts.holds(h, need),
-                         "depth_held": (host_depth(hosts, h.memory_bytes, best)
-                                        if axis == "layers" else None)}
-                        for h in _hosts.hosts_of(name)]
-            rows.append({**env, "section": "host_fits", "target": name, "target_label": label,
-                         "axis": axis, "mode": mode, "offload": offload, "max": best,
-                         "dim": config.dim, "seq": config.seq, "batch_layers": config.layers,
-                         "params_at_max": (_params(base._replace(**{axis: best}))
-                                           if best else None),
-                         "peak_at_max": seen.get(best), "next_peak": seen.get(best + 1),
-                         "host_at_max": need, "budget_bytes": memory,
-                         "budget_source": source, "machines": machines})
-    finally:
-      peaks.save()
-  if sized is not None:
-    modes = [OFFLOAD_MODES[o] + suffix for o in offloads
-             for suffix in ("", *(() if state_bits is None else (f"_{state_bits}bit",)))]
-    targets = [n for n in names if n.partition(":")[0] in SIZED_TARGETS]
-    for row in at_size(targets, modes, use_cache, progress, sized):
-      rows.append({**row, "section": "host_sized",
-                   "machines": [{"machine": h.machine, "memory_bytes": h.memory_bytes,
-                                 "holds": _hosts.holds(h, row["host_bytes"])}
-                                for h in _hosts.hosts_of(row["target"])]})
-  return rows
-
-
-def _holds(flag: bool | None) -> str:
-  return {True: "yes", False: "**no**", None: "unknown"}[flag]
-
-
-def _host_cell(row: dict[str, Any], machine: dict[str, Any]) -> str:
-  if not row["max"]:
-    return "none fits"
-  what = (f"{row['max']} layers ({row['params_at_max']})" if row["axis"] == "layers"
-          else f"batch {row['max']}")
-  cell = (f"{what}: {_compiled.format_bytes(row['host_at_max'])} host, "
-          f"{_holds(machine['holds'])}")
-  if machine.get("depth_held") is not None and not machine["holds"]:
-    cell += f"; holds {machine['depth_held']} layers"
-  return cell
-
-
-def host_markdown(rows: Sequence[dict[str, Any]]) -> str:
-  """The host table (one row per target, machine and offload choice; a column per search),
-  then the 6.6B decoder's rows, then where each machine's memory comes from."""
-  fits = [r for r in rows if r["section"] == "host_fits"]
-  searches = list(dict.fromkeys((r["axis"], r["dim"], r["batch_layers"]) for r in fits))
-  head = [f"d={d}: layers at batch 1" if a == "layers" else f"d={d}: batch at {n} layers"
-          for a, d, n in searches]
-  out = ["| target (device memory) | machine | host memory | offload | " + " | ".join(head)
-         + " |", "|---|---|---:|---|" + "---|" * len(head)] if fits else []
-  for name in dict.fromkeys(r["target"] for r in fits):
-    got = [r for r in fits if r["target"] == name]
-    first = got[0]
-    for i, machine in enumerate(first["machines"]):
-      for offload in dict.fromkeys(r["offload"] for r in got):
-        cell = {(r["axis"], r["dim"], r["batch_layers"]): r for r in got
-                if r["offload"] == offload}
-        values = [_host_cell(cell[k], cell[k]["machines"][i]) if k in cell else "-"
-                  for k in searches]
-        memory = ("not found" if machine["memory_bytes"] is None
-                  else _compiled.format_bytes(machine["memory_bytes"]))
-        out.append(f"| {first['target_label']} "
-                   f"({_compiled.format_bytes(first['budget_bytes'])}) | {machine['machine']} | "
-                   f"{memory} | {offload} | " + " | ".join(values) + " |")
-  sized = [r for r in rows if r["section"] == "host_sized"]
-  if sized:
-    first = sized[0]
-    out += ["", f"The {first['params']}-parameter decoder ({first['layers']} layers of "
-            f"d={first['dim']}, T={first['seq']}, batch {first['batch']}) with AdamW:", "",
-            "| target (device memory) | step | device peak | fits the chip | host bytes | "
-            "machines that hold them |", "|---|---|---:|---|---:|---|"]
-    for r in sized:
-      held = ", ".join(f"{m['machine']}: {_holds(m['holds'])}" for m in r["machines"])
-      peak = "refused" if r["peak"] is None else _compiled.format_bytes(r["peak"])
-      host = "-" if r["host_bytes"] is None else _compiled.format_bytes(r["host_bytes"])
-      out.append(f"| {r['target_label']} ({_compiled.format_bytes(r['budget_bytes'])}) | "
-                 f"{LABELS[r['mode']]} | {peak} | {'yes' if r['fits'] else '**no**'} | {host} "
-                 f"| {held} |")
-  machines = {m["machine"] for r in rows for m in r["machines"]}
-  out += ["", "Host memory: a machine's whole memory, of which the system and the process take "
-          "some; sources:", ""]
-  out += [f"- {h.machine}: {h.source}" for h in _hosts.HOSTS if h.machine in machines]
-  return "\n".join(out) + "\n"

@@ -12,7 +12,7 @@ from optfuse._analysis import _memory
 from optfuse._targets import _compiled, _registry
 from optfuse.bench import __main__ as bench_main
 from optfuse.bench import _fit_table as bench_fit
-from optfuse.bench import _fsdp, _models, _suite
+from optfuse.bench import _fsdp, _host_fits, _models, _suite
 
 REQUIRED = ("model", "optimizer", "mode", "time_ratio", "peak_bytes", "jax_version", "backend",
             "device_kind")
@@ -400,14 +400,13 @@ def test_offload_cost_prints_each_choice_and_chip_with_its_sources(monkeypatch):
 
 
 def test_the_host_depth_is_read_from_the_affine_host_bytes_up_to_the_device_depth():
-  from optfuse.bench import _what_fits
   # 200 bytes a layer on 200 where the loops fuse (a 1-layer step has no loop to stream).
   hosts = {1: 900, 4: 1_000, 8: 1_800, 100: 20_200}
-  assert _what_fits.host_depth(hosts, 2_000, best=50) == 9
-  assert _what_fits.host_depth(hosts, 10**9, best=50) == 50
-  assert _what_fits.host_depth(hosts, 100, best=50) == 0
-  assert _what_fits.host_depth(hosts, None, best=50) is None
-  assert _what_fits.host_depth({4: 1_000, 5: None}, 2_000, best=50) is None
+  assert _host_fits.host_depth(hosts, 2_000, best=50) == 9
+  assert _host_fits.host_depth(hosts, 10**9, best=50) == 50
+  assert _host_fits.host_depth(hosts, 100, best=50) == 0
+  assert _host_fits.host_depth(hosts, None, best=50) is None
+  assert _host_fits.host_depth({4: 1_000, 5: None}, 2_000, best=50) is None
 
 
 def _host_row(axis, dim, best, host, holds, depth=None):
@@ -420,10 +419,9 @@ def _host_row(axis, dim, best, host, holds, depth=None):
 
 
 def test_the_host_table_says_per_machine_whether_it_holds_each_answer():
-  from optfuse.bench import _what_fits
   rows = [_host_row("layers", 2048, 100, 60e9, False, 70),
           _host_row("layers", 4096, 30, 40e9, True), _host_row("batch", 2048, 9, 15e9, True)]
-  table = _what_fits.host_markdown(rows)
+  table = _host_fits.host_markdown(rows)
   assert ("| d=2048: layers at batch 1 | d=4096: layers at batch 1 | d=2048: batch at 24 "
           "layers |") in table
   assert ("| tpu-v5e (16.91 GB) | VM | 48.00 GB | params | 100 layers (5B): 60.00 GB host, "
@@ -436,10 +434,9 @@ def test_the_host_table_says_per_machine_whether_it_holds_each_answer():
 @pytest.mark.skipif(not _registry.compiler_installed("tpu"),
                     reason='the TPU compiler is not installed: pip install -e ".[tpu]"')
 def test_host_fits_finds_the_deepest_decoder_with_its_host_bytes_on_tpu(tmp_path, monkeypatch):
-  from optfuse.bench import _what_fits
   monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path / "cache.json"))
   tiny = bench_fit.TINY_DECODER
-  rows = _what_fits.run_host(["cpu", "tpu-v5e"], ("state", "params"), progress=False,
+  rows = _host_fits.run_host(["cpu", "tpu-v5e"], ("state", "params"), progress=False,
                              searches=(("layers", tiny),), sized=tiny, budget=8_000_000)
   fits = {r["offload"]: r for r in rows if r["section"] == "host_fits"}
   assert set(fits) == {"state", "params"}  # "cpu" has no host memory apart: no rows
@@ -451,7 +448,7 @@ def test_host_fits_finds_the_deepest_decoder_with_its_host_bytes_on_tpu(tmp_path
   sized = [r for r in rows if r["section"] == "host_sized"]
   assert [r["mode"] for r in sized] == ["backward_offload", "backward_params"]
   assert all(r["host_bytes"] > 0 for r in sized)
-  assert "| tpu-v5e (8.00 MB) | Cloud TPU v5e-1 VM" in _what_fits.host_markdown(rows)
+  assert "| tpu-v5e (8.00 MB) | Cloud TPU v5e-1 VM" in _host_fits.host_markdown(rows)
 
 
 @pytest.mark.slow
@@ -488,13 +485,12 @@ def test_the_offload_choices_of_the_command_line_are_the_host_tables():
 
 
 def test_the_host_table_cites_every_machine_it_names_the_sized_rows_too():
-  from optfuse.bench import _what_fits
   sized = {"section": "host_sized", "target": "l4", "target_label": "l4", "mode":
            "backward_params", "peak": 6e9, "fits": True, "budget_bytes": 17.69e9,
            "host_bytes": 78e9, "layers": 32, "dim": 4096, "seq": 2048, "batch": 1,
            "params": "6.6B", "machines": [{"machine": "GCP g2-standard-* (1 L4)",
                                            "memory_bytes": None, "holds": None}]}
-  table = _what_fits.host_markdown([sized])
+  table = _host_fits.host_markdown([sized])
   assert "| l4 (17.69 GB) | backward fusion, params and state in host memory | 6.00 GB | yes | " \
       "78.00 GB | GCP g2-standard-* (1 L4): unknown |" in table
   assert "- GCP g2-standard-* (1 L4): not found:" in table
