@@ -22,17 +22,8 @@ from typing import Any
 import optax
 
 from optfuse import _fuse
-from optfuse._analysis import _auto
-from optfuse._analysis._memory import (
-  MODES,
-  TRANSFER_FIELDS,
-  UNAVAILABLE_ERRORS,
-  loss_has_aux,
-  mode_table,
-  step_memory,
-  target_budget,
-  with_state_bits,
-)
+from optfuse._analysis import _auto, _memory
+from optfuse._analysis._memory import MODES, TRANSFER_FIELDS, UNAVAILABLE_ERRORS
 from optfuse._base import _options
 from optfuse._base._errors import OffloadError
 from optfuse._base._options import FuseOptions
@@ -109,7 +100,7 @@ class MemoryReport(Mapping):
       rows[mode] = [mode, *(format_bytes(row.get(k)) for k in fields), ratio]
       if budget:
         rows[mode].append("yes" if self.fits(mode) else "no")
-    lines = mode_table(header, rows, self.unavailable, self.does_not_fit)
+    lines = _memory.mode_table(header, rows, self.unavailable, self.does_not_fit)
     if self.target is not None:
       within = (f", budget {format_bytes(self.budget_bytes)} per device ({self.budget_source})"
                 if budget else "")
@@ -202,10 +193,10 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
   given = _options.resolve(options, global_ops=global_ops, offload=offload, guard=guard)
   given.check_microbatches(microbatches)
   resolved = _registry.resolve(target)
-  tx = with_state_bits(tx, state_bits)
-  has_aux = loss_has_aux(loss_fn, params, *args, **kwargs)
+  tx = _memory.with_state_bits(tx, state_bits)
+  has_aux = _memory.loss_has_aux(loss_fn, params, *args, **kwargs)
   rows, unavailable, refused = {}, {}, {}
-  name, budget, source = target_budget(resolved)
+  name, budget, source = _memory.target_budget(resolved)
   plan = None
   for mode in MODES:
     try:
@@ -218,7 +209,7 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
                                   **kwargs)
         memory = plan.memory
       else:
-        memory = step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
+        memory = _memory.step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux,
                              target=resolved, microbatches=microbatches)
     except UNAVAILABLE_ERRORS as e:
       unavailable[mode] = f"{type(e).__name__}: {e}"

@@ -472,7 +472,7 @@ def test_apply_gradients_on_offloaded_state_matches_flax_and_leaves_it_on_the_ho
 @pytest.mark.parametrize("offload", ["grads", "optimizer", True])
 def test_an_unknown_offload_is_refused_by_create_and_train_step_like_fuse(offload):
   _, params, _, _, loss_fn = _setup("tied_embed_lm")
-  match = f"unknown offload {offload!r}; use None, \"state\" or \"params\""
+  match = f"unknown offload {offload!r}; use None, \"state\", \"params\" or \"auto\""
   with pytest.raises(optfuse.OffloadError, match=match):
     optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3),
                                     offload=offload)
