@@ -242,12 +242,12 @@ def test_jitted_step_is_traced_once():
   assert int(state.step) == 3
 
 
-def test_apply_gradients_and_replace_still_work_after_a_fused_step():
-  _, params, _, batch, loss_fn = _setup("tied_embed_lm")
-  tx = optax.adam(1e-2)
+def _fused_then_plain_and_plain_twice(loss_fn, batch, donate: bool = False):
+  """Two jitted steps of a Linen train state: a fused step then Flax's ``apply_gradients``
+  (donating the state with ``donate``), and ``apply_gradients`` twice, the reference."""
   grad_fn = jax.grad(lambda p: loss_fn(p, {}, batch, DROPOUT_KEY)[0])
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0 if donate else ())
   def fused_then_plain(state):
     _, state = state.value_and_update(loss_fn, {}, batch, DROPOUT_KEY, has_aux=True)
     return state.apply_gradients(grads=grad_fn(state.params))
@@ -257,6 +257,13 @@ def test_apply_gradients_and_replace_still_work_after_a_fused_step():
     state = state.apply_gradients(grads=grad_fn(state.params))
     return state.apply_gradients(grads=grad_fn(state.params))
 
+  return fused_then_plain, plain_twice
+
+
+def test_apply_gradients_and_replace_still_work_after_a_fused_step():
+  _, params, _, batch, loss_fn = _setup("tied_embed_lm")
+  tx = optax.adam(1e-2)
+  fused_then_plain, plain_twice = _fused_then_plain_and_plain_twice(loss_fn, batch)
   fused = fused_then_plain(optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=tx))
   plain = plain_twice(train_state.TrainState.create(apply_fn=None, params=params, tx=tx))
   # float32, same operations, different XLA fusions: a few ulps.
@@ -448,18 +455,8 @@ def test_orbax_resume_of_a_train_state_with_offloaded_state_continues_the_same_t
 def test_apply_gradients_on_offloaded_state_matches_flax_and_leaves_it_on_the_host():
   _, params, _, batch, loss_fn = _setup("tied_embed_lm")
   tx = optax.adam(1e-2)
-  grad_fn = jax.grad(lambda p: loss_fn(p, {}, batch, DROPOUT_KEY)[0])
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def fused_then_plain(state):
-    _, state = state.value_and_update(loss_fn, {}, batch, DROPOUT_KEY, has_aux=True)
-    return state.apply_gradients(grads=grad_fn(state.params))
-
-  @jax.jit
-  def plain_twice(state):
-    state = state.apply_gradients(grads=grad_fn(state.params))
-    return state.apply_gradients(grads=grad_fn(state.params))
-
+  fused_then_plain, plain_twice = _fused_then_plain_and_plain_twice(loss_fn, batch,
+                                                                    donate=True)
   fused = fused_then_plain(optfuse.linen.TrainState.create(
       apply_fn=None, params=jax.tree.map(jnp.copy, params), tx=tx, offload="state"))
   plain = plain_twice(train_state.TrainState.create(apply_fn=None, params=params, tx=tx))
