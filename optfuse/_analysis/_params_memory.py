@@ -15,7 +15,6 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from optfuse._analysis._describe import describe
 from optfuse._base import _leaves, _memory_spaces
@@ -135,11 +134,10 @@ def streamed(fn: Callable) -> Callable:
     with _backends.traced_on(params):
       # Every stacked input a scan reads row by row: the plan of the gradient sum, whose
       # update never mixes rows, finds them (``_loops.analyze``) as it does for the step.
-      shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
-      plan = _make.make_plan(_accumulate.accumulator(), jax.tree.unflatten(treedef, shapes),
-                             jax.tree.unflatten(treedef, shapes))
+      shapes = _accumulate.sum_shapes(params)
+      plan = _make.make_plan(_accumulate.accumulator(), shapes.sum, shapes)
       diff = [i for i, x in enumerate(leaves) if _leaves.is_float(x)]
-      loop_plan = _loops.analyze(fn, plan, params, shapes, args, kwargs, diff)
+      loop_plan = _loops.analyze(fn, plan, params, jax.tree.leaves(shapes), args, kwargs, diff)
       _check_streamed(params, host, loop_plan)
       inputs = _loops.LoopInputs(None, _backends.loop_policy(), PullbackRecord(),
                                  dict.fromkeys(loop_plan.fused_leaves, ()))

@@ -53,7 +53,7 @@ from jax.experimental.shard_alike import shard_alike
 from optfuse._base import _leaves
 from optfuse._base._checks import check_params
 from optfuse._base._errors import NonSeparableError, OffloadError
-from optfuse._base._memory_spaces import is_host, like
+from optfuse._base._memory_spaces import is_host
 from optfuse._base._options import FuseOptions
 from optfuse._engines._engine import Placed, PlacedStep, microbatched
 from optfuse._engines._forward_state import ForwardState, check_forward_state, no_pending
@@ -154,7 +154,10 @@ def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   k = microbatches
   scaled = _accumulate.scale_loss(loss_fn, has_aux, k)
   batches = _accumulate.split(args, kwargs, k)
-  analysis = _accumulate.analyze_loss(scaled, params, batches, policy)
+  # A sum in host memory starts in the pending gradient's buffer, which holds anything.
+  written = frozenset(i for i, g in enumerate(plan.params_def.flatten_up_to(state.pending_grads))
+                      if is_host(g))
+  analysis = _accumulate.analyze_loss(scaled, params, batches, policy, written)
   axes = analysis.loop_plan.stacked
   param_leaves = plan.params_def.flatten_up_to(params)
   from_cut, rows = stacked_updates(plan, axes, jax.tree.leaves(state.opt_state), param_leaves,
@@ -171,24 +174,20 @@ def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
     return acc, value
 
   # The new sum starts in the buffers of the pending gradient (of the cut gradients that
-  # took them over), once the update has read them.
-  # A sum in host memory (``offload="state"``) starts as zeros there: a stacked leaf's written a
-  # row at a time over its pending gradient (``_accumulate.zeros_in_host``; whole, they would
-  # be whole on the device first), another's moved there once its param is updated.
-  def zeros_like(i, g, p):
-    if not is_host(g):
-      return value_after(jnp.zeros_like(g), p, g)
-    if i in axes:
-      return _accumulate.zeros_in_host(policy, g, axes[i])
-    return like(value_after(jnp.zeros(g.shape, g.dtype), p), g)
+  # took them over), once the update has read them: on the device as zeros made after the
+  # update, so that XLA writes them there; in host memory (``offload="state"``) as the old
+  # gradient itself, whose values the first microbatch writes over (``_accumulate.accumulator``):
+  # zeros made whole would be whole on the device first, and written a row at a time they
+  # would cross the host link once more.
+  def start(g, p):
+    return g if is_host(g) else value_after(jnp.zeros_like(g), p, g)
 
-  zeros = jax.tree.unflatten(plan.params_def, [
-      zeros_like(i, g, p) for i, (g, p) in enumerate(zip(buffers,
-                                                         plan.params_def.flatten_up_to(params)))])
-  acc, values = lax.scan(body, zeros, batches)
+  zeros = analysis.first_state(jax.tree.unflatten(plan.params_def, [
+      start(g, p) for g, p in zip(buffers, plan.params_def.flatten_up_to(params))]))
+  total, values = lax.scan(body, zeros, batches)
   floats = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
   return ((_accumulate.sum_value(values, has_aux), params,
-           _next_state(opt_state, acc, state.pending_grads)),
+           _next_state(opt_state, total.sum, state.pending_grads)),
           microbatched(rows, axes, floats, microbatches, before=True, streamed=streamed))
 
 

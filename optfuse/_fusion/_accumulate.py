@@ -3,7 +3,9 @@
 A step over ``k`` microbatches averages their gradients and applies one update, like
 ``optax.MultiSteps`` after ``k`` calls or a hand-written accumulation loop. The microbatches run
 in one ``lax.scan`` whose backward passes are fused with a transformation whose state is the
-running sum (``acc += g`` in each leaf's backward rule, row by row inside scanned layers), so
+running sum (``acc += g`` in each leaf's backward rule, row by row inside scanned layers; a sum
+in host memory adds the first gradient to zeros selected in place of whatever its buffer held,
+``accumulator``), so
 the sum is the only gradient buffer: optax's loop also holds each microbatch's gradient next to
 it. The update of the mean gradient follows the loop (``_apply``).
 
@@ -18,9 +20,9 @@ them, as one backward pass does, and the sum of those leaves' gradients lives in
 too, one row read and written per backward iteration: on the device it would hold a whole
 gradient of the stacks, which is what streaming the params removes (the 1.3B decoder, two
 microbatches, on the TPU v5e compiler: 9.35 GB peak with the sum on the device; in host memory,
-docs/offload.md). It starts as zeros written a row at a time into host memory
-(``zeros_in_host``). The update after the loop runs row by row for them
-(``_apply.update_rows``), writing each new row back to the host stacks.
+docs/offload.md). It starts in a copy of the param stack, whose values the first microbatch
+writes over: no zeros cross the host link first. The update after the loop runs row by row for
+them (``_apply.update_rows``), writing each new row back to the host stacks.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from jax import lax
 
 from optfuse._base._errors import MicrobatchError
 from optfuse._base._leaves import is_float, keep_int_state
+from optfuse._base._memory_spaces import is_host
 from optfuse._fusion import _fused_step, _loops
 from optfuse._fusion._apply import apply_update, stacked_rows
-from optfuse._fusion._row_buffers import write_row
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan
 from optfuse._targets._backends import LoopPolicy
@@ -93,16 +95,54 @@ def _float_grad(loss_fn: Callable, has_aux: bool):
   return value_and_grad
 
 
-def accumulator() -> optax.GradientTransformation:
-  """A transformation whose state is the running sum of the gradients (updates are zero)."""
-  def init(params):
-    return jax.tree.map(jnp.zeros_like, params)
+class SumState(NamedTuple):
+  """The state of ``accumulator()``: how many gradients it has summed (``None`` when every sum
+  starts as zeros), and their sum."""
 
-  def update(grads, acc, params=None):
+  count: jax.Array | None
+  sum: Any
+
+
+def accumulator(written: frozenset[int] = frozenset()) -> optax.GradientTransformation:
+  """A transformation whose state is the running sum of the gradients (updates are zero).
+
+  Args:
+    written: the leaves (flat indices) whose sum may start in a buffer that holds anything:
+      the first gradient is added to zeros selected in place of its old values (``where``,
+      which never propagates what it does not select, not even a NaN), so a streamed leaf's sum
+      starts in a copy of its host param stack and needs no zeros written there first. Their
+      sums are those of zeros plus each gradient in turn, bit for bit. The others start as
+      zeros (``sum_state``), with no count to read.
+  """
+  def init(params):
+    return sum_state(jax.tree.map(jnp.zeros_like, params), written)
+
+  def update(grads, state, params=None):
     del params
-    return jax.tree.map(jnp.zeros_like, grads), jax.tree.map(jnp.add, acc, grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    sums = treedef.flatten_up_to(state.sum)
+    if written:
+      first = state.count == 0
+      sums = [jnp.where(first, jnp.zeros_like(s), s) if i in written else s
+              for i, s in enumerate(sums)]
+    total = jax.tree.unflatten(treedef, [s + g for s, g in zip(sums, leaves)])
+    count = state.count + 1 if written else None
+    return jax.tree.map(jnp.zeros_like, grads), SumState(count, total)
 
   return optax.GradientTransformation(init, update)
+
+
+def sum_state(sum_buffers, written: frozenset[int] = frozenset()) -> SumState:
+  """``accumulator(written)``'s state before its first gradient, its sums in ``sum_buffers``
+  (zeros, but for the leaves of ``written``, whose values the first gradient replaces)."""
+  return SumState(jnp.zeros([], jnp.int32) if written else None, sum_buffers)
+
+
+def sum_shapes(params, written: frozenset[int] = frozenset()) -> SumState:
+  """``accumulator(written).init(params)``'s shapes and dtypes."""
+  return SumState(jax.ShapeDtypeStruct((), jnp.int32) if written else None,
+                  jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
+                               params))
 
 
 def _sum_gradients(loss_fn, has_aux, params, args, kwargs, count):
@@ -131,11 +171,17 @@ def scale_loss(loss_fn: Callable, has_aux: bool, microbatches) -> Callable:
 
 class Accumulation(NamedTuple):
   """What every microbatch of a step reuses: the accumulator's plan, the loss's loop plan
-  (``analyze_loss``) and the step's per-compiler choices of its loops."""
+  (``analyze_loss``), the step's per-compiler choices of its loops, and the leaves whose sums
+  start in buffers that hold anything (``accumulator``)."""
 
   plan: Plan
   loop_plan: _loops.LoopPlan
   policy: LoopPolicy
+  written: frozenset[int] = frozenset()
+
+  def first_state(self, sum_buffers) -> SumState:
+    """The accumulator's state before the first microbatch, its sums in ``sum_buffers``."""
+    return sum_state(sum_buffers, self.written)
 
 
 def accumulate(loss_fn: Callable, has_aux: bool, params, acc, args: tuple, kwargs: dict,
@@ -151,17 +197,19 @@ def accumulate(loss_fn: Callable, has_aux: bool, params, acc, args: tuple, kwarg
   return value, acc
 
 
-def analyze_loss(loss_fn: Callable, params, batches, policy: LoopPolicy) -> Accumulation:
+def analyze_loss(loss_fn: Callable, params, batches, policy: LoopPolicy,
+                 written: frozenset[int] = frozenset()) -> Accumulation:
   """The plans of accumulating ``loss_fn``'s gradient on the microbatches of ``batches``, from
-  the first (the loss is traced here, once for the whole step), with the loops' ``policy``."""
+  the first (the loss is traced here, once for the whole step), with the loops' ``policy``;
+  the sums of ``written`` start in buffers that hold anything (``accumulator``)."""
   # Shapes, not zeros: eagerly, a param in host memory (``offload="params"``) has no zeros
   # "like" it on the device.
-  zeros = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
-  plan = _make.make_plan(accumulator(), params, zeros)
+  shapes = sum_shapes(params, written)
+  plan = _make.make_plan(accumulator(written), params, shapes)
   diff = [i for i, p in enumerate(plan.params_def.flatten_up_to(params)) if is_float(p)]
   args, kwargs = _index(batches, 0)
-  return Accumulation(plan, _loops.analyze(loss_fn, plan, params, jax.tree.leaves(zeros), args,
-                                           kwargs, diff), policy)
+  return Accumulation(plan, _loops.analyze(loss_fn, plan, params, jax.tree.leaves(shapes), args,
+                                           kwargs, diff), policy, written)
 
 
 def streamed_leaves(analysis: Accumulation, plan: Plan, state: list, params: list,
@@ -175,21 +223,6 @@ def streamed_leaves(analysis: Accumulation, plan: Plan, state: list, params: lis
   return frozenset(i for i in loop_plan.fused_leaves
                    if (in_remat or i not in loop_plan.in_remat)
                    and plan.rowwise(i, state, params, axis=loop_plan.stacked[i]))
-
-
-def zeros_in_host(policy: LoopPolicy, buf, axis: int):
-  """Zeros of ``buf``'s shape and dtype in host memory, written one row along ``axis`` at a
-  time into ``buf``, a host array of a stacked leaf (the compiler writes over a copy of it
-  where it is read again).
-
-  Zeros made whole and moved to the host are whole on the device first: the TPU v5e compiler
-  gives a stack of 8 2048x8192 float32 rows moved so 537 MB of temporaries, 202 MB written a
-  row at a time (three rows). Each row crosses the host link once, as the sum's rows do in
-  every backward loop.
-  """
-  shape = jnp.shape(buf)
-  row = jnp.zeros(shape[:axis] + shape[axis + 1:], jnp.result_type(buf))
-  return lax.fori_loop(0, shape[axis], lambda i, b: write_row(policy, b, row, i, axis), buf)
 
 
 def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
@@ -219,23 +252,28 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
 
   def step(policy, params, state, *args, **kwargs):
     batches = split(args, kwargs, k)
-    analysis = analyze_loss(scaled, params, batches, policy)
+    # A streamed leaf's sum starts in host memory, in a buffer that holds anything.
+    written = (frozenset(i for i, p in enumerate(jax.tree.leaves(params)) if is_host(p))
+               if stream_params else frozenset())
+    analysis = analyze_loss(scaled, params, batches, policy, written)
     plan = plans(params, state)
     param_leaves, state_leaves = plan.params_def.flatten_up_to(params), jax.tree.leaves(state)
     streamed = (streamed_leaves(analysis, plan, state_leaves, param_leaves) if stream_params
                 else frozenset())
 
+    # The sum of a streamed leaf's gradients lives in host memory, where its backward loops
+    # write each row: it starts in a copy of its param stack (the host buffer of its shape the
+    # step has), whose values the first microbatch's rows replace (``accumulator``).
+    buffers = [p if i in streamed else jnp.zeros_like(p) for i, p in enumerate(param_leaves)]
+    first = analysis.first_state(jax.tree.unflatten(plan.params_def, buffers))
+
     def body(acc, batch):
       value, acc = accumulate(scaled, has_aux, params, acc, *batch, analysis)
       return acc, value
 
-    # The sum of a streamed leaf's gradients starts as zeros in host memory, where its
-    # backward loops add each row: written over a copy of its param stack, the host buffer of
-    # its shape the step has.
+    total, values = lax.scan(body, first, batches)
     axes = analysis.loop_plan.stacked
-    zeros = [zeros_in_host(policy, p, axes[i]) if i in streamed else jnp.zeros_like(p)
-             for i, p in enumerate(param_leaves)]
-    mean, values = lax.scan(body, jax.tree.unflatten(plan.params_def, zeros), batches)
+    mean = total.sum
     # A whole-leaf update with a global stage holds full-size temporaries (the clipped gradient,
     # read by both of Adam's moments): measured 21.09 MB instead of 18.54 MB for 16 stacked
     # 256x256 layers with clipping and AdamW over 4 microbatches. Without one it is in place, and

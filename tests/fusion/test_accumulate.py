@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import optfuse
+from optfuse._fusion import _accumulate
 from optfuse.bench import _models
 from tests import criteria, models
 from tests.fusion.test_loops import _init, scan_loss
@@ -117,6 +118,30 @@ def test_accumulating_an_unrolled_mlp_never_peaks_above_optax(k):
                                       model.loss, params, *batch, microbatches=k)
            for mode in ("off", "backward")}
   assert peaks["backward"] <= peaks["off"], peaks
+
+
+def test_a_written_sum_starts_in_any_buffer_and_sums_bit_for_bit_as_from_zeros():
+  # A streamed leaf's sum starts in a copy of its host param stack (``accumulator(written)``):
+  # whatever that buffer holds, NaN and infinities included, the first gradient replaces it, and
+  # the sums are those of zeros plus each gradient, bit for bit.
+  grads = [{"a": jax.random.normal(jax.random.PRNGKey(i), (3, 4)),
+            "b": jnp.array([-0.0, 1e-30, 3.0])} for i in range(3)]
+  params = grads[0]
+  garbage = {"a": jnp.full((3, 4), jnp.nan), "b": jnp.array([jnp.inf, -jnp.inf, 7.0])}
+
+  def run(tx, state):
+    for g in grads:
+      _, state = tx.update(g, state, params)
+    return state.sum
+
+  from_zeros = run(_accumulate.accumulator(), _accumulate.accumulator().init(params))
+  written = _accumulate.accumulator(frozenset({0, 1}))
+  from_garbage = run(written, _accumulate.sum_state(garbage, frozenset({0, 1})))
+  expected = jax.tree.map(lambda *gs: functools.reduce(jnp.add, gs, jnp.zeros_like(gs[0])),
+                          *grads)
+  for got in (from_zeros, from_garbage):
+    for leaf, want in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+      assert leaf.tobytes() == want.tobytes()
 
 
 def test_microbatches_must_divide_the_batch():
