@@ -9,11 +9,13 @@ it fits, and places the params and state accordingly. This script
    it here with the planned mixed placement and checks it against plain optax;
 2. compiles the bench's 1.3B decoder (24 x d2048, T=2048, batch 1, AdamW) for a target (default:
    the TPU v5e) with nothing, the state, the params and state, and ``"auto"`` streamed, and
-   prints each step's device peak, host bytes and host transfer bytes a step.
+   prints each step's device peak, host bytes and host transfer bytes a step; with
+   ``--microbatches k`` each step takes a batch of ``k`` sequences in ``k`` microbatches.
 
 Usage::
 
   python examples/offload_auto.py --model 1.3b --target tpu-v5e
+  python examples/offload_auto.py --model 1.3b --target tpu-v5e --microbatches 2
 """
 
 from __future__ import annotations
@@ -64,10 +66,12 @@ def train_check(steps: int, target: str = "tpu-v5e") -> tuple[float, optfuse.Off
   return diff, plan
 
 
-def compare(model_name: str, target: str) -> str:
+def compare(model_name: str, target: str, microbatches: int | None = None) -> str:
   """A markdown table of the backward step of ``model_name`` on ``target`` with each offload
-  (each compiled once: ``memory_report`` would compile every mode), and the auto plan."""
+  (each compiled once: ``memory_report`` would compile every mode), and the auto plan; with
+  ``microbatches``, a batch of that many sequences split into as many microbatches."""
   c = _suite.LARGE_DECODERS[f"decoder_{model_name}"]
+  c = c._replace(batch=microbatches or c.batch)
   model = _models.decoder(c, scanned=True, remat=True)
   params, batch = _models.abstract(model.params), _models.abstract(model.batch)
   tx = optax.adamw(1e-3)
@@ -76,7 +80,8 @@ def compare(model_name: str, target: str) -> str:
            "|---|---:|---:|---:|"]
   for offload in (None, "state", "params"):
     fx = optfuse.fuse(tx, offload=offload)
-    row = _memory.step_memory(fx, model.loss, params, batch, target=resolved)
+    row = _memory.step_memory(fx, model.loss, params, batch, target=resolved,
+                              microbatches=microbatches)
     if isinstance(row, optfuse.DoesNotFit):
       lines.append(f"| {offload} | {row} | - | - |")
       continue
@@ -87,7 +92,7 @@ def compare(model_name: str, target: str) -> str:
                  f"{format_bytes(row['host_bytes'])} | "
                  f"{format_bytes(row['host_transfer_bytes'])} |")
   plan = optfuse.plan_offload(optfuse.fuse(tx, offload="auto"), model.loss, params, *batch,
-                              budget=target)
+                              budget=target, microbatches=microbatches)
   lines.append(f"| auto | {format_bytes(plan.device_peak_bytes)} | "
                f"{format_bytes(plan.host_bytes)} | {format_bytes(plan.host_transfer_bytes)} |")
   return "\n".join([*lines, "", "offload='auto' plan:", plan.table()])
@@ -99,12 +104,15 @@ def main() -> None:
                       help="the bench decoder (24 x d2048 or 32 x d4096, T=2048, batch 1)")
   parser.add_argument("--target", default="tpu-v5e", help="compile target (optfuse.targets())")
   parser.add_argument("--steps", type=int, default=5, help="training steps of the check")
+  parser.add_argument("--microbatches", type=int, default=None,
+                      help="a batch of k sequences in k microbatches (default: one sequence)")
   args = parser.parse_args()
   diff, plan = train_check(args.steps)
   print(f"trained {args.steps} steps with a planned mixed placement: largest difference from "
         f"optax {diff:.2e}\n{plan}\n")
-  print(f"{args.model} decoder, AdamW, backward fusion, on {args.target}:")
-  print(compare(args.model, args.target))
+  split = f", {args.microbatches} microbatches" if args.microbatches else ""
+  print(f"{args.model} decoder, AdamW, backward fusion{split}, on {args.target}:")
+  print(compare(args.model, args.target, args.microbatches))
 
 
 if __name__ == "__main__":

@@ -188,7 +188,8 @@ def _budget(budget, target) -> tuple[int, str, _registry.Target | None]:
 
 
 def plan_offload(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args,
-                 budget: Any, target: Any = None, **kwargs) -> OffloadPlan:
+                 budget: Any, target: Any = None, microbatches: int | None = None,
+                 **kwargs) -> OffloadPlan:
   """What each leaf of ``fx``'s step streams so that the step fits ``budget``, with the fewest
   bytes moved between host and device memory a step. Nothing runs: each candidate placement is
   compiled.
@@ -203,6 +204,9 @@ def plan_offload(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args
       budget and whose compiler compiles the step, or bytes (compiled for ``target``).
     target: with ``budget`` in bytes, the compiler (a reserved keyword too; ``None``: this
       machine's).
+    microbatches: the step's (``fx.value_and_update(loss_fn, microbatches=k)``; a reserved
+      keyword too), whose compiled peaks the plan is made from: a stack it streams keeps the
+      sum of its gradients in host memory too. ``args`` are then the whole batch.
     **kwargs: the loss's keyword arguments.
 
   Returns:
@@ -218,6 +222,7 @@ def plan_offload(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args
   if fx.offload != "auto":
     raise OffloadError(f"plan_offload plans offload='auto', and fx has offload={fx.offload!r}: "
                        "use optfuse.fuse(tx, offload='auto').")
+  fx.options.check_microbatches(microbatches)
   budget_bytes, source, resolved = _budget(budget, target)
   name = _memory.target_budget(resolved)[0]
   if (jax.default_backend() if resolved is None else resolved.platform) == "cpu":
@@ -228,7 +233,8 @@ def plan_offload(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args
         "the plan then places the params and state on this machine as it would there.")
   has_aux = _memory.loss_has_aux(loss_fn, params, *args, **kwargs)
   measure = lambda streams: _memory.step_memory(fx, loss_fn, params, args, kwargs, has_aux,
-                                                resolved, streams=streams)
+                                                resolved, streams=streams,
+                                                microbatches=microbatches)
   leaves = _leaves(fx, loss_fn, params, args, kwargs)
   streams: dict[str, str] = {}
   memory = measure(streams)
@@ -279,7 +285,7 @@ def _why(what: str, peak_before: int | None, budget: int) -> str:
 
 
 def place(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args, budget: Any,
-          target: Any = None, **kwargs) -> Placed:
+          target: Any = None, microbatches: int | None = None, **kwargs) -> Placed:
   """Plans ``offload="auto"`` for ``budget`` (``plan_offload``) and places ``params`` and
   ``fx.init(params)`` by the plan.
 
@@ -292,6 +298,7 @@ def place(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args, budge
       ``optfuse.targets()``, whose memory is the budget, or bytes.
     target: with ``budget`` in bytes, the compiler it is planned with (``None``: this
       machine's; not XLA:CPU, where streaming frees nothing).
+    microbatches: the step's, as ``plan_offload`` takes it (a reserved keyword).
     **kwargs: the loss's keyword arguments.
 
   Returns:
@@ -320,5 +327,6 @@ def place(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args, budge
     >>> float(fx.value_and_update(loss)(params, state, jnp.ones(2))[0])
     0.0
   """
-  plan = plan_offload(fx, loss_fn, params, *args, budget=budget, target=target, **kwargs)
+  plan = plan_offload(fx, loss_fn, params, *args, budget=budget, target=target,
+                      microbatches=microbatches, **kwargs)
   return Placed(*plan.place(params, fx.init(params)), plan)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -146,11 +147,23 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
   leaves = jax.tree.leaves(params)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   found: list = []
-  # The step's own trace, its state from ``init`` in the same trace: the state keeps its memory
-  # space (the host-resident slots and pending gradient of ``offload="state"``), which
-  # ``eval_shape``'s outputs drop.
-  jax.eval_shape(lambda p, a, kw: found.append(step(p, fx.init(p), *a, **kw)[1]),
-                 params, args, kwargs)
+  streams = dict(plan.streams) if fx.offload == "auto" and plan is not None else {}
+  if streams:
+    # ``offload="auto"``: the step streams what the plan placed in host memory (with
+    # microbatches, which stacks keep their sum there and are updated row by row): traced on
+    # the params and state the plan places.
+    def trace(p, state, a, kw):
+      outs, placed = step(p, state, *a, **kw)
+      found.append(placed)
+      return outs
+
+    jax.jit(trace).trace(*_placed_by(fx, params, streams), args, kwargs)
+  else:
+    # The step's own trace, its state from ``init`` in the same trace: the state keeps its
+    # memory space (the host-resident slots and pending gradient of ``offload="state"``),
+    # which ``eval_shape``'s outputs drop.
+    jax.eval_shape(lambda p, a, kw: found.append(step(p, fx.init(p), *a, **kw)[1]),
+                   params, args, kwargs)
   placed, reasons, _ = found[0]
   streamed = _engine.streamed_params(found[0]) if fx.offload == "params" else frozenset()
   unplaced = fx.value_and_update.engine.unplaced
@@ -161,7 +174,6 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
   stacked = {i for i in diff if placed.get(i) == "loop" or i in reasons}
   mixing = {i for i, why in reasons.items() if why.startswith(_row_checks.MIXES_ROWS)}
   warnings = _muon_dims.muon_warnings(fx.tx, params, stacked, mixing)
-  streams = dict(plan.streams) if fx.offload == "auto" and plan is not None else {}
   if fx.offload == "auto":
     where_params = {paths[i]: "host" if streams.get(paths[i]) == "params" else "device"
                     for i in sorted(diff)}
@@ -188,13 +200,12 @@ def _transfer_bytes(fx, loss_fn: Callable, params, args: tuple, kwargs: dict,
   ``params`` placed as ``where_params`` says and the state as ``fx.init`` places it (with
   ``offload="auto"``, as ``streams`` places both)."""
   has_aux = _checks.returns_pair(loss_fn, params, args, kwargs)
-  init = _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init
-  state = jax.eval_shape(init, params)
   to_host = lambda x: _inputs.offloaded_on(x, None)
   if fx.offload == "auto":
-    params, state = _streams.place_streams(fx.tx, params, state, streams, to_host)
+    params, state = _placed_by(fx, params, streams)
   else:
-    state = to_host(state)
+    init = _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init
+    state = to_host(jax.eval_shape(init, params))
     on_host = lambda path, x: (to_host(x) if where_params.get(jax.tree_util.keystr(path))
                                == "host" else x)
     params = jax.tree_util.tree_map_with_path(on_host, params)
@@ -202,6 +213,14 @@ def _transfer_bytes(fx, loss_fn: Callable, params, args: tuple, kwargs: dict,
                  donate_argnums=(0, 1))
   traced = step.trace(params, state, *args, **kwargs)
   return _transfers.traced_transfer_bytes(traced.jaxpr).total
+
+
+def _placed_by(fx, params, streams: Mapping[str, str]) -> tuple[Any, Any]:
+  """``params`` and ``fx.init``'s state (``jax.ShapeDtypeStruct`` values) placed as
+  ``streams`` (an ``offload="auto"`` plan's) says."""
+  init = _fuse.fuse_with(fx.tx, dataclasses.replace(fx.options, offload=None)).init
+  return _streams.place_streams(fx.tx, params, jax.eval_shape(init, params), streams,
+                                lambda x: _inputs.offloaded_on(x, None))
 
 
 def _fused(tx, options: FuseOptions | None) -> _fuse.FusedTransformation:

@@ -206,7 +206,7 @@ def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: A
           raise OffloadError(f"offload='auto' plans for the target's memory, and {name}'s is "
                              f"not known ({source}): name a target with a known memory.")
         plan = _auto.plan_offload(fx, loss_fn, params, *args, budget=budget, target=resolved,
-                                  **kwargs)
+                                  microbatches=microbatches, **kwargs)
         memory = plan.memory
       else:
         memory = _memory.step_memory(fx, loss_fn, params, args, kwargs, has_aux=has_aux,

@@ -51,8 +51,8 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
     ``None`` when the combination runs; else the error, not raised, whose message names the
     option and what to pass instead: ``UnknownModeError`` (a mode or ``global_ops`` that does
     not exist), ``OffloadError`` (an unknown ``offload``, an ``offload`` with ``global_ops``,
-    ``offload="params"`` in mode "off", ``offload="auto"`` outside backward mode, with
-    ``global_ops`` or with microbatches), ``GuardError`` (a ``guard`` that is not a bool, ``True``
+    ``offload="params"`` in mode "off", ``offload="auto"`` outside backward mode or with
+    ``global_ops``), ``GuardError`` (a ``guard`` that is not a bool, ``True``
     outside backward mode, with ``offload="params"`` or with microbatches),
     ``MicrobatchError`` (``microbatches`` is not a positive int or ``None``).
   """
@@ -103,11 +103,6 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
         'device). Use guard=False with offload="params", or guard=True with offload="state".')
   if microbatches is not None and not is_positive_int(microbatches):
     return MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
-  if offload == "auto" and microbatches is not None and microbatches > 1:
-    return OffloadError(
-        "offload='auto' plans what to stream from the compiled peaks of one backward pass, "
-        "without microbatches. With microbatches choose the placement yourself: "
-        "offload='state' or offload='params'; or use microbatches=None.")
   if guard and microbatches is not None and microbatches > 1:
     return GuardError(
         f"guard=True chooses between fusing the update in the loops of the loss and tapping it, "
@@ -181,7 +176,6 @@ class FuseOptions:
     Raises:
       MicrobatchError: ``microbatches`` is not a positive int or ``None``.
       GuardError: ``guard=True`` with more than one microbatch.
-      OffloadError: ``offload="auto"`` with more than one microbatch.
     """
     error = refusal(self.mode, self.global_ops, self.offload, self.guard, microbatches)
     if error is not None:

@@ -66,8 +66,10 @@ class BackwardEngine:
     if microbatches == 1:
       return lambda params, state, *args, **kwargs: self.fused(loss_fn, has_aux, params, state,
                                                                args, kwargs, refused)
+    offload = self.options.offload
     accumulated = _accumulate.fused_step(loss_fn, has_aux, microbatches, self.plans,
-                                         stream_params=self.options.offload == "params")
+                                         stream_params=offload in ("params", "auto"),
+                                         mixed=offload == "auto")
 
     def step(params, state, *args, **kwargs):
       out, (rows, stacked, streamed) = accumulated(loop_policy(), params, state, *args, **kwargs)

@@ -226,7 +226,8 @@ def streamed_leaves(analysis: Accumulation, plan: Plan, state: list, params: lis
 
 
 def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
-               plans: Callable[[Any, Any], Plan], stream_params: bool = False):
+               plans: Callable[[Any, Any], Plan], stream_params: bool = False,
+               mixed: bool = False):
   """A step over ``microbatches`` whose backward passes all accumulate in place.
 
   Args:
@@ -237,6 +238,8 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
       gradient (``_apply.apply_update``; with a global stage, stacked leaves row by row).
     stream_params: ``offload="params"``: the params of ``streamed_leaves`` are in host memory,
       and so is the sum of their gradients; they are updated row by row after the loop.
+    mixed: ``offload="auto"``: with ``stream_params``, only those of them whose params are in
+      host memory stream (each leaf where ``optfuse.place`` put it).
 
   Returns:
     ``step(policy, params, state, *args, **kwargs) -> ((value, params, state), (rows,
@@ -260,11 +263,16 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
     param_leaves, state_leaves = plan.params_def.flatten_up_to(params), jax.tree.leaves(state)
     streamed = (streamed_leaves(analysis, plan, state_leaves, param_leaves) if stream_params
                 else frozenset())
+    if mixed:
+      streamed &= written
 
     # The sum of a streamed leaf's gradients lives in host memory, where its backward loops
     # write each row: it starts in a copy of its param stack (the host buffer of its shape the
     # step has), whose values the first microbatch's rows replace (``accumulator``).
-    buffers = [p if i in streamed else jnp.zeros_like(p) for i, p in enumerate(param_leaves)]
+    # (A stack that should stream but is on the device sums from zeros: ``offload="params"``
+    # refuses the step once traced, ``_offload.with_params_placed``.)
+    buffers = [p if i in streamed & written else jnp.zeros_like(p)
+               for i, p in enumerate(param_leaves)]
     first = analysis.first_state(jax.tree.unflatten(plan.params_def, buffers))
 
     def body(acc, batch):

@@ -18,6 +18,7 @@ from optfuse._analysis import _streams
 from optfuse._base import _memory_spaces
 from optfuse._targets import _registry
 from tests import criteria, models
+from tests.engines import test_offload_params
 
 STEPS = 20
 # A mixed placement of the scanned model: one stack's params and slots streamed, the other's
@@ -68,6 +69,36 @@ def test_a_mixed_placement_trains_like_optax(jit):
   criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
 
 
+@pytest.mark.equivalence
+@pytest.mark.parametrize("jit", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["jit_donated", "eager"])
+def test_a_mixed_placement_with_microbatches_trains_like_optax_accumulating(jit):
+  # The stack whose params are in host memory keeps the sum of its gradients there too and is
+  # updated row by row after the loop over the microbatches; the stack on the device sums on
+  # the device, from zeros, its slots in host memory. Against optax's own loop: the mean of the
+  # microbatch gradients, then one update.
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  fx, params, (p, s) = _mixed_start(tx)
+  steps = STEPS if jit else 2
+  batches = models.tied_lm_batches()
+  step = fx.value_and_update(models.scanned_loss, microbatches=2)
+  losses, p_out, s_out = models.run_steps(step, p, s, batches, steps, jit=jit)
+  assert _kinds(p_out) == _kinds(p) and _kinds(s_out) == _kinds(s)
+  got = (losses, *optfuse.to_optax_state(fx, p_out, s_out))
+  want = test_offload_params._optax_over_microbatches(tx, params, batches, steps,
+                                                      models.scanned_loss, k=2)
+  criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
+                                **test_offload_params.MICROBATCH_TOL)
+  # Its trace streams the stack in host memory, and only that one.
+  found = []
+  traced = lambda p, s, *batch: found.append(
+      fx.value_and_update.placed(models.scanned_loss, False, 2)(p, s, *batch)[1])
+  jax.jit(traced).trace(p, s, *batches[0])
+  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(p)[0]]
+  assert {paths[i] for i in found[0].streamed} == {"['layers']['w']"}
+  assert found[0].where[paths.index("['layers']['w']")] == "rows"
+
+
 def test_a_param_in_host_memory_that_no_loop_updates_is_refused():
   tx = optax.adam(1e-2)
   fx, _, (p, s) = _mixed_start(tx)
@@ -86,10 +117,8 @@ def test_auto_refuses_the_options_it_does_not_plan(options, match):
     optfuse.fuse(optax.adam(1e-2), offload="auto", **options)
 
 
-def test_auto_refuses_microbatches_and_planning_on_xla_cpu():
+def test_auto_refuses_planning_on_xla_cpu():
   fx = optfuse.fuse(optax.adam(1e-2), offload="auto")
-  with pytest.raises(optfuse.OffloadError, match="microbatches"):
-    fx.value_and_update(models.scanned_loss, microbatches=2)
   params, batch = models.stacked_params(), models.tied_lm_batches()[0]
   with pytest.raises(optfuse.OffloadError, match="XLA:CPU counts host memory"):
     optfuse.place(fx, models.scanned_loss, params, *batch, budget=10**6)
@@ -142,13 +171,39 @@ def test_the_plan_fits_the_budget_with_fewer_bytes_moved_than_streaming_everythi
     planned(everything["peak_bytes"] // 2)
 
 
+@pytest.mark.slow  # five compiles of the step: 25 s
 @pytest.mark.targets
 @needs_tpu
-def test_memory_report_plans_auto_for_the_target_and_reports_its_plan():
+def test_with_microbatches_the_plan_fits_the_budget_and_describe_says_what_streams():
+  params, k = models.abstract_stacked_params(8, 256), 2
+  batch = (jax.ShapeDtypeStruct((models.BATCH * k, models.SEQ), jnp.int32),) * 2
+  tx = optax.adam(1e-3)
+  everything = optfuse.memory_report(models.scanned_loss, tx, params, *batch, target="tpu-v5e",
+                                     offload="params", microbatches=k)["backward"]
+  fx = optfuse.fuse(tx, offload="auto")
+  plan = optfuse.plan_offload(fx, models.scanned_loss, params, *batch,
+                              budget=everything["peak_bytes"], target="tpu-v5e",
+                              microbatches=k)
+  assert plan.device_peak_bytes <= everything["peak_bytes"]
+  assert 0 < plan.host_transfer_bytes <= everything["host_transfer_bytes"]
+  streamed = {path for path, what in plan.streams.items() if what == "params"}
+  assert streamed
+  # The plan's stacks keep their sums in host memory and are updated row by row after the
+  # loop: describe traces the step on the params and state the plan places.
+  where = optfuse.describe(fx, models.scanned_loss, params, *batch, plan=plan, microbatches=k)
+  assert {path for path, on in where.params.items() if on == "host"} == streamed
+  assert all(where[path] == "rows" for path in streamed)
+
+
+@pytest.mark.targets
+@needs_tpu
+@pytest.mark.parametrize("microbatches", [None, 2])
+def test_memory_report_plans_auto_for_the_target_and_reports_its_plan(microbatches):
   params = models.abstract_stacked_params(8, 256)
-  batch = (jax.ShapeDtypeStruct((models.BATCH, models.SEQ), jnp.int32),) * 2
+  batch = (jax.ShapeDtypeStruct((models.BATCH * (microbatches or 1), models.SEQ),
+                                jnp.int32),) * 2
   report = optfuse.memory_report(models.scanned_loss, optax.adam(1e-3), params, *batch,
-                                 target="tpu-v5e", offload="auto")
+                                 target="tpu-v5e", offload="auto", microbatches=microbatches)
   # The model fits the v5e's 16.91 GB as it is: nothing streams, nothing moves.
   assert set(report) == {"backward"} and set(report.unavailable) == {"off", "forward"}
   assert set(report.offload_plan.streams.values()) == {"none"}
