@@ -220,12 +220,13 @@ def scanned_loss(params, tokens, targets):
   return optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], targets).mean()
 
 
-def abstract_stacked_params(layers: int, dim: int) -> dict:
-  """``stacked_params``' shapes as ``jax.ShapeDtypeStruct``s, for compile-only memory checks."""
+def abstract_stacked_params(layers: int, dim: int, vocab: int = VOCAB) -> dict:
+  """``stacked_params``' shapes as ``jax.ShapeDtypeStruct``s, for compile-only memory checks
+  (with ``vocab`` tokens: ``scanned_loss`` reads as many as its inputs say)."""
   spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  return {"embed": spec(VOCAB, dim),
+  return {"embed": spec(vocab, dim),
           "layers": {"w": spec(layers, dim, dim), "b": spec(layers, dim)},
-          "head": spec(dim, VOCAB)}
+          "head": spec(dim, vocab)}
 
 
 def compiled_memory(fx, loss_fn: Callable, params, *args, **step_kwargs):
