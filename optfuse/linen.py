@@ -14,7 +14,9 @@ Everything else is Flax's: ``opt_state`` keeps optax's layout (in "backward" and
 live in host memory, where ``create`` puts them and every step leaves them. With
 ``offload="params"`` the param stacks of the fused loops live there too: ``create`` cannot know
 which (they are the loss's), so ``state.params_to_host(loss_fn, *args)`` places them once,
-before the first step, and every step leaves them there.
+before the first step, and every step leaves them there. With ``offload="auto"``,
+``state.place(loss_fn, *args, budget=...)`` plans what each leaf streams to fit the budget and
+places the params and ``opt_state`` by the plan.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from flax import struct
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from optfuse._analysis import _params_memory
+from optfuse._analysis import _auto, _params_memory
+from optfuse._analysis._auto import OffloadPlan
 from optfuse._base import _memory_spaces
 from optfuse._base._errors import ParamsStructureError
 from optfuse._base._options import FuseOptions
@@ -195,6 +198,37 @@ class TrainState(train_state.TrainState):
     fused = self._fused()
     return self.replace(params=_params_memory.params_to_host(fused, loss_fn, self.params, *args,
                                                              **kwargs), fused=fused)
+
+  def place(self, loss_fn: Callable, *args, budget: Any, target: Any = None,
+            microbatches: int | None = None, **kwargs) -> tuple[TrainState, OffloadPlan]:
+    """With ``offload="auto"``: the state with its params and ``opt_state`` placed by the plan
+    of what each leaf streams so that the step fits ``budget`` (``optfuse.place``).
+
+    Call it once, outside ``jax.jit``, before the first step, as ``params_to_host``.
+
+    Args:
+      loss_fn: the loss the state's steps run, as given to ``value_and_update``.
+      *args: its other arguments (arrays or ``jax.ShapeDtypeStruct`` values), as given to
+        ``value_and_update`` (the whole batch with ``microbatches``).
+      budget: the device memory the step must fit (a reserved keyword): a name of
+        ``optfuse.targets()``, whose memory is the budget and whose compiler compiles the step,
+        or bytes (compiled for ``target``).
+      target: with ``budget`` in bytes, the compiler (a reserved keyword; not XLA:CPU).
+      microbatches: the steps' (a reserved keyword), as ``value_and_update`` takes it.
+      **kwargs: the loss's keyword arguments.
+
+    Returns:
+      ``(state, plan)``: the state placed, and the ``OffloadPlan``.
+
+    Raises:
+      OffloadError: the state's ``offload`` is not ``"auto"``, or as ``optfuse.plan_offload``
+        raises it.
+    """
+    fused = self._fused()
+    plan = _auto.plan_offload(fused, loss_fn, self.params, *args, budget=budget, target=target,
+                              microbatches=microbatches, **kwargs)
+    params, opt_state = plan.place(self.params, self.opt_state)
+    return self.replace(params=params, opt_state=opt_state, fused=fused), plan
 
   def _fused(self) -> FusedTransformation:
     if (self.fused is not None and self.fused.tx is self.tx

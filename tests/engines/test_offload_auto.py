@@ -7,13 +7,16 @@ plain optax. The plan is made from compiled device peaks, which XLA:CPU does not
 memory, so the planner is checked on the TPU compiler (compile-only, marked ``targets``).
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.training import train_state
 
 import optfuse
+import optfuse.linen
 from optfuse._analysis import _streams
 from optfuse._base import _memory_spaces
 from optfuse._targets import _registry
@@ -97,6 +100,70 @@ def test_a_mixed_placement_with_microbatches_trains_like_optax_accumulating(jit)
   paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(p)[0]]
   assert {paths[i] for i in found[0].streamed} == {"['layers']['w']"}
   assert found[0].where[paths.index("['layers']['w']")] == "rows"
+
+
+class _LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + jnp.tanh(nn.Dense(256)(h)), None
+
+
+class _LinenScanned(nn.Module):
+  """An ``nn.scan`` stack of 8 layers of width 256: wide enough that streaming frees more of
+  the TPU's tiled memory than its rows in flight take."""
+
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(_LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=8)()
+    h, _ = blocks(nn.Dense(256)(x), None)
+    return nn.Dense(2)(h)
+
+
+def _linen_loss(params, x, y):
+  return jnp.mean((_LinenScanned().apply({"params": params}, x) - y) ** 2)
+
+
+def _linen_batch():
+  x = jax.random.normal(jax.random.key(3), (8, 4))
+  return x, jnp.sin(x[:, :2])
+
+
+@pytest.mark.slow  # the plan's compiles and 20 steps: 18 s
+@pytest.mark.targets
+@needs_tpu
+def test_a_linen_train_state_placed_by_its_plan_trains_like_flax():
+  # ``TrainState.place`` plans on the TPU compiler for a byte less than the step needs with
+  # nothing streamed; the state so placed trains here (each leaf staying where the plan put it)
+  # like Flax's own optax step.
+  params = _LinenScanned().init(jax.random.key(0), _linen_batch()[0])["params"]
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=models.copy(params), tx=tx,
+                                          offload="auto")
+  need = optfuse.memory_report(_linen_loss, tx, params, *_linen_batch(),
+                               target="tpu-v5e")["backward"]["peak_bytes"]
+  state, plan = state.place(_linen_loss, *_linen_batch(), budget=need - 1, target="tpu-v5e")
+  assert plan.device_peak_bytes < need and set(plan.streams.values()) != {"none"}
+  kinds = (_kinds(state.params), _kinds(state.opt_state))
+  assert "pinned_host" in jax.tree.leaves(kinds)
+  step, losses = jax.jit(lambda s, x, y: s.value_and_update(_linen_loss, x, y),
+                         donate_argnums=0), []
+  for _ in range(STEPS):
+    loss, state = step(state, *_linen_batch())
+    losses.append(loss)
+  assert (_kinds(state.params), _kinds(state.opt_state)) == kinds
+  got = (jnp.stack(losses), *optfuse.to_optax_state(state.fused, state.params, state.opt_state))
+  reference = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  flax_step = jax.jit(lambda s, x, y: (lambda lg: (lg[0], s.apply_gradients(grads=lg[1])))(
+      jax.value_and_grad(_linen_loss)(s.params, x, y)))
+  want = []
+  for _ in range(STEPS):
+    loss, reference = flax_step(reference, *_linen_batch())
+    want.append(loss)
+  criteria.assert_matches_optax(got, (jnp.stack(want), reference.params, reference.opt_state))
+  with pytest.raises(optfuse.OffloadError, match="plans offload='auto'"):
+    optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=tx).place(
+        _linen_loss, *_linen_batch(), budget="tpu-v5e")
 
 
 def test_a_param_in_host_memory_that_no_loop_updates_is_refused():
