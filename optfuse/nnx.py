@@ -12,7 +12,9 @@ optimizer state. With ``offload="state"`` the slots of the optimizer state live 
 where the constructor puts them and every step leaves them. With ``offload="params"`` the
 param stacks of the fused loops (an ``nnx.scan`` over ``nnx.vmap``-built blocks) live there too:
 ``optimizer.params_to_host(model, loss_fn, *args)`` moves them once, before the first step, and
-every step leaves them there.
+every step leaves them there. With ``offload="auto"``, ``optimizer.place(model, loss_fn, *args,
+budget=...)`` plans what each variable streams to fit the budget and moves the params and the
+optimizer state by the plan.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx.training import optimizer as nnx_optimizer
 
-from optfuse._analysis import _params_memory
+from optfuse._analysis import _auto, _params_memory
+from optfuse._analysis._auto import OffloadPlan
 from optfuse._base import _leaves, _memory_spaces
 from optfuse._base._checks import check_loss
 from optfuse._base._errors import MicrobatchError
@@ -295,6 +298,40 @@ class Optimizer(nnx.Optimizer[M]):
     pure_loss, (params, variables, rest) = self._pure(model, loss_fn, args, kwargs, has_aux)
     placed = _params_memory.params_to_host(self.fused, pure_loss, params, variables, rest)
     nnx.update(model, placed)
+
+  def place(self, model: M, loss_fn: Callable, *args, budget: Any, target: Any = None,
+            has_aux: bool = False, **kwargs) -> OffloadPlan:
+    """With ``offload="auto"``: plans what each ``wrt`` variable streams so that the step fits
+    ``budget`` (``optfuse.plan_offload``), and moves the model's params and the optimizer's
+    state where the plan puts them.
+
+    Call it once, outside ``nnx.jit``, before the first step, as ``params_to_host``.
+
+    Args:
+      model: the module this optimizer was built for.
+      loss_fn: the loss its steps run, as given to ``value_and_update``.
+      *args: its other arguments, as given to ``value_and_update``.
+      budget: the device memory the step must fit (a reserved keyword): a name of
+        ``optfuse.targets()``, whose memory is the budget and whose compiler compiles the step,
+        or bytes (compiled for ``target``).
+      target: with ``budget`` in bytes, the compiler (a reserved keyword; not XLA:CPU).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      The ``OffloadPlan``.
+
+    Raises:
+      OffloadError: the optimizer's ``offload`` is not ``"auto"``, or as
+        ``optfuse.plan_offload`` raises it.
+    """
+    pure_loss, (params, variables, rest) = self._pure(model, loss_fn, args, kwargs, has_aux)
+    plan = _auto.plan_offload(self.fused, pure_loss, params, variables, rest, budget=budget,
+                              target=target)
+    params, opt_state = plan.place(params, self._fused_opt_state())
+    nnx.update(model, params)
+    self._write_opt_state(opt_state)
+    return plan
 
   def flush(self, model: M) -> None:
     """Applies a pending forward-mode update to ``model`` (a no-op in the other modes).

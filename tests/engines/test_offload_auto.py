@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training import train_state
 
 import optfuse
 import optfuse.linen
+import optfuse.nnx
 from optfuse._analysis import _streams
 from optfuse._base import _memory_spaces
 from optfuse._targets import _registry
@@ -164,6 +166,72 @@ def test_a_linen_train_state_placed_by_its_plan_trains_like_flax():
   with pytest.raises(optfuse.OffloadError, match="plans offload='auto'"):
     optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=tx).place(
         _linen_loss, *_linen_batch(), budget="tpu-v5e")
+
+
+class _NnxScanned(nnx.Module):
+  """``_LinenScanned`` in NNX: an ``nnx.scan`` over 8 vmapped layers of width 256."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=8)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return nnx.Linear(256, 256, rngs=rngs)
+
+    self.inp, self.blocks, self.out = (nnx.Linear(4, 256, rngs=rngs), blocks(rngs),
+                                       nnx.Linear(256, 2, rngs=rngs))
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def apply(h, block):
+      return h + jnp.tanh(block(h))
+
+    return self.out(apply(self.inp(x), self.blocks))
+
+
+def _nnx_loss(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+@pytest.mark.slow  # the plan's compiles and 20 steps
+@pytest.mark.targets
+@needs_tpu
+def test_an_nnx_optimizer_placed_by_its_plan_trains_like_nnx():
+  # ``Optimizer.place`` plans on the TPU compiler for a byte less than the step needs with
+  # nothing streamed, and moves the model's params and the optimizer's state; so placed, the
+  # model trains here like NNX's own optax optimizer.
+  tx = optax.adamw(1e-2, weight_decay=0.05)
+  model = _NnxScanned(nnx.Rngs(0))
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  need = optfuse.memory_report(
+      lambda p, x, y: _nnx_loss(nnx.merge(nnx.graphdef(model), p), x, y), tx, params,
+      *_linen_batch(), target="tpu-v5e")["backward"]["peak_bytes"]
+  optimizer = optfuse.nnx.Optimizer(model, tx, wrt=nnx.Param, offload="auto")
+  plan = optimizer.place(model, _nnx_loss, *_linen_batch(), budget=need - 1, target="tpu-v5e")
+  assert plan.device_peak_bytes < need and set(plan.streams.values()) != {"none"}
+  kinds = _kinds(nnx.as_pure(nnx.state(model, nnx.Param)))
+  assert "pinned_host" in jax.tree.leaves((kinds, _kinds(nnx.as_pure(optimizer.opt_state))))
+
+  @nnx.jit
+  def fused_step(model, optimizer, x, y):
+    return optimizer.value_and_update(model, _nnx_loss, x, y)
+
+  reference_model = _NnxScanned(nnx.Rngs(0))
+  reference = nnx.Optimizer(reference_model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def plain_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(_nnx_loss)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  got, want = [], []
+  for _ in range(STEPS):
+    got.append(fused_step(model, optimizer, *_linen_batch()))
+    want.append(plain_step(reference_model, reference, *_linen_batch()))
+  assert _kinds(nnx.as_pure(nnx.state(model, nnx.Param))) == kinds
+  criteria.assert_matches_optax(
+      (jnp.stack(got), nnx.as_pure(nnx.state(model, nnx.Param))),
+      (jnp.stack(want), nnx.as_pure(nnx.state(reference_model, nnx.Param))))
 
 
 def test_a_param_in_host_memory_that_no_loop_updates_is_refused():
