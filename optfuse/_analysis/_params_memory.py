@@ -128,7 +128,7 @@ def streamed(fn: Callable) -> Callable:
   @functools.wraps(fn)
   def run(params, *args, **kwargs):
     leaves, treedef = jax.tree.flatten(params)
-    host = [i for i, x in enumerate(leaves) if _memory_spaces.is_host(x)]
+    host = sorted(_memory_spaces.host_leaves(leaves))
     if not host:
       return fn(params, *args, **kwargs)
     with _backends.traced_on(params):

@@ -37,6 +37,11 @@ def is_host(x) -> bool:
   return x is not None and _memory_space(x) == jax.memory.Space.Host
 
 
+def host_leaves(tree) -> frozenset[int]:
+  """The indices of ``tree``'s leaves (``jax.tree.leaves`` order) that live in host memory."""
+  return frozenset(i for i, x in enumerate(jax.tree.leaves(tree)) if is_host(x))
+
+
 def to_device(x):
   """``x`` in device memory (``x`` itself when it is there already)."""
   return jax.device_put(x, jax.memory.Space.Device) if is_host(x) else x

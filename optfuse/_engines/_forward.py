@@ -53,7 +53,7 @@ from jax.experimental.shard_alike import shard_alike
 from optfuse._base import _leaves
 from optfuse._base._checks import check_params
 from optfuse._base._errors import NonSeparableError, OffloadError
-from optfuse._base._memory_spaces import is_host
+from optfuse._base._memory_spaces import host_leaves, is_host
 from optfuse._base._options import FuseOptions
 from optfuse._engines._engine import Placed, PlacedStep, microbatched
 from optfuse._engines._forward_state import ForwardState, check_forward_state, no_pending
@@ -155,9 +155,8 @@ def _microbatch_step(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   scaled = _accumulate.scale_loss(loss_fn, has_aux, k)
   batches = _accumulate.split(args, kwargs, k)
   # A sum in host memory starts in the pending gradient's buffer, which holds anything.
-  written = frozenset(i for i, g in enumerate(plan.params_def.flatten_up_to(state.pending_grads))
-                      if is_host(g))
-  analysis = _accumulate.analyze_loss(scaled, params, batches, policy, written)
+  analysis = _accumulate.analyze_loss(scaled, params, batches, policy,
+                                      host_leaves(state.pending_grads))
   axes = analysis.loop_plan.stacked
   param_leaves = plan.params_def.flatten_up_to(params)
   from_cut, rows = stacked_updates(plan, axes, jax.tree.leaves(state.opt_state), param_leaves,

@@ -38,7 +38,7 @@ from jax import lax
 
 from optfuse._base._errors import MicrobatchError
 from optfuse._base._leaves import is_float, keep_int_state
-from optfuse._base._memory_spaces import is_host
+from optfuse._base._memory_spaces import host_leaves
 from optfuse._fusion import _fused_step, _loops
 from optfuse._fusion._apply import apply_update, stacked_rows
 from optfuse._plan import _make
@@ -256,8 +256,7 @@ def fused_step(loss_fn: Callable, has_aux: bool, microbatches: int,
   def step(policy, params, state, *args, **kwargs):
     batches = split(args, kwargs, k)
     # A streamed leaf's sum starts in host memory, in a buffer that holds anything.
-    written = (frozenset(i for i, p in enumerate(jax.tree.leaves(params)) if is_host(p))
-               if stream_params else frozenset())
+    written = host_leaves(params) if stream_params else frozenset()
     analysis = analyze_loss(scaled, params, batches, policy, written)
     plan = plans(params, state)
     param_leaves, state_leaves = plan.params_def.flatten_up_to(params), jax.tree.leaves(state)

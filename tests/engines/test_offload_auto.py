@@ -14,7 +14,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax.training import train_state
 
 import optfuse
 import optfuse.linen
@@ -126,6 +125,9 @@ def _linen_loss(params, x, y):
   return jnp.mean((_LinenScanned().apply({"params": params}, x) - y) ** 2)
 
 
+_nnx_loss = test_offload_params._nnx_loss
+
+
 def _linen_batch():
   x = jax.random.normal(jax.random.key(3), (8, 4))
   return x, jnp.sin(x[:, :2])
@@ -155,14 +157,8 @@ def test_a_linen_train_state_placed_by_its_plan_trains_like_flax():
     losses.append(loss)
   assert (_kinds(state.params), _kinds(state.opt_state)) == kinds
   got = (jnp.stack(losses), *optfuse.to_optax_state(state.fused, state.params, state.opt_state))
-  reference = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
-  flax_step = jax.jit(lambda s, x, y: (lambda lg: (lg[0], s.apply_gradients(grads=lg[1])))(
-      jax.value_and_grad(_linen_loss)(s.params, x, y)))
-  want = []
-  for _ in range(STEPS):
-    loss, reference = flax_step(reference, *_linen_batch())
-    want.append(loss)
-  criteria.assert_matches_optax(got, (jnp.stack(want), reference.params, reference.opt_state))
+  criteria.assert_matches_optax(got, test_offload_params._linen_reference(
+      tx, params, STEPS, _linen_loss, _linen_batch))
   with pytest.raises(optfuse.OffloadError, match="plans offload='auto'"):
     optfuse.linen.TrainState.create(apply_fn=None, params=params, tx=tx).place(
         _linen_loss, *_linen_batch(), budget="tpu-v5e")
@@ -188,10 +184,6 @@ class _NnxScanned(nnx.Module):
     return self.out(apply(self.inp(x), self.blocks))
 
 
-def _nnx_loss(model, x, y):
-  return jnp.mean((model(x) - y) ** 2)
-
-
 @pytest.mark.slow  # the plan's compiles and 20 steps
 @pytest.mark.targets
 @needs_tpu
@@ -215,23 +207,10 @@ def test_an_nnx_optimizer_placed_by_its_plan_trains_like_nnx():
   def fused_step(model, optimizer, x, y):
     return optimizer.value_and_update(model, _nnx_loss, x, y)
 
-  reference_model = _NnxScanned(nnx.Rngs(0))
-  reference = nnx.Optimizer(reference_model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def plain_step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(_nnx_loss)(model, x, y)
-    optimizer.update(model, grads)
-    return loss
-
-  got, want = [], []
-  for _ in range(STEPS):
-    got.append(fused_step(model, optimizer, *_linen_batch()))
-    want.append(plain_step(reference_model, reference, *_linen_batch()))
+  got = jnp.stack([fused_step(model, optimizer, *_linen_batch()) for _ in range(STEPS)])
   assert _kinds(nnx.as_pure(nnx.state(model, nnx.Param))) == kinds
-  criteria.assert_matches_optax(
-      (jnp.stack(got), nnx.as_pure(nnx.state(model, nnx.Param))),
-      (jnp.stack(want), nnx.as_pure(nnx.state(reference_model, nnx.Param))))
+  want = test_offload_params._nnx_reference(tx, STEPS, _NnxScanned, _linen_batch)
+  criteria.assert_matches_optax((got, nnx.as_pure(nnx.state(model, nnx.Param))), want[:2])
 
 
 def test_a_param_in_host_memory_that_no_loop_updates_is_refused():

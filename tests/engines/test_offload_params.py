@@ -521,13 +521,16 @@ def _linen_loss(params, x, y):
   return jnp.mean((_LinenScanned().apply({"params": params}, x) - y) ** 2)
 
 
-def _linen_reference(tx, params, steps):
+def _linen_reference(tx, params, steps, loss_fn=None, batch=None):
+  """Flax's own optax step of ``loss_fn`` (``_linen_loss``) on ``batch()`` (``_flax_batch``),
+  ``steps`` times: ``(losses, params, opt_state)``."""
+  loss_fn, batch = loss_fn or _linen_loss, batch or _flax_batch
   state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
   step = jax.jit(lambda s, x, y: (lambda lg: (lg[0], s.apply_gradients(grads=lg[1])))(
-      jax.value_and_grad(_linen_loss)(s.params, x, y)))
+      jax.value_and_grad(loss_fn)(s.params, x, y)))
   losses = []
   for _ in range(steps):
-    loss, state = step(state, *_flax_batch())
+    loss, state = step(state, *batch())
     losses.append(loss)
   return jnp.stack(losses), state.params, state.opt_state
 
@@ -567,8 +570,10 @@ def test_the_linen_adapters_stream_an_nn_scan_stack_and_train_like_optax(entry, 
   criteria.assert_matches_optax(got, _linen_reference(tx, params, STEPS), **TOL)
 
 
-def _nnx_reference(tx, steps):
-  model = _NnxScanned(nnx.Rngs(0))
+def _nnx_reference(tx, steps, model_class=None, batch=None):
+  """NNX's own ``Optimizer`` on ``model_class(nnx.Rngs(0))`` (``_NnxScanned``) and ``batch()``
+  (``_flax_batch``), ``steps`` times: ``(losses, params, opt_state)``."""
+  model, batch = (model_class or _NnxScanned)(nnx.Rngs(0)), batch or _flax_batch
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
@@ -577,7 +582,7 @@ def _nnx_reference(tx, steps):
     optimizer.update(model, grads)
     return loss
 
-  losses = jnp.stack([step(model, optimizer, *_flax_batch()) for _ in range(steps)])
+  losses = jnp.stack([step(model, optimizer, *batch()) for _ in range(steps)])
   return losses, nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(optimizer.opt_state)
 
 
