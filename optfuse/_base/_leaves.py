@@ -1,7 +1,9 @@
-"""Leaf predicates shared by every layer: which params and state leaves are trained, and a
-leaf's key path as names."""
+"""Leaf predicates shared by every layer: which params and state leaves are trained, a leaf's
+bytes, and a leaf's key path as names."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,16 @@ import jax.numpy as jnp
 def is_float(x) -> bool:
   """Whether an array (or ``jax.ShapeDtypeStruct``) is floating point: a trained leaf."""
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def nbytes(x) -> int:
+  """Bytes of an array, a ``jax.ShapeDtypeStruct`` or anything with a ``shape`` and a ``dtype``.
+
+  Examples:
+    >>> nbytes(jax.ShapeDtypeStruct((3, 4), jnp.bfloat16))
+    24
+  """
+  return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
 def is_float_aval(v) -> bool:

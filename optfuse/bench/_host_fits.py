@@ -3,21 +3,21 @@
 ``--host-fits`` (``run_host``) runs ``_what_fits``'s depth and batch searches with the params in
 host memory too (``offload="params"``, or any choice of ``_what_fits.OFFLOAD_MODES``), at d=2048
 and d=4096, and sets the host bytes each answer needs beside the host memory of the machines the
-target comes in (``_hosts``), with the 6.6B decoder at its size on TPU v5e and L4.
+target comes in (``optfuse._targets._hosts``), with the 6.6B decoder at its size on TPU v5e and
+L4; ``optfuse._analysis._what_fits.host_depth`` reads the deepest decoder each machine holds.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from fractions import Fraction
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from optfuse._analysis import _memory
-from optfuse._targets import _compiled
-from optfuse.bench import _hosts, _suite, _what_fits
+from optfuse._analysis._what_fits import host_depth
+from optfuse._targets import _compiled, _hosts
+from optfuse.bench import _suite, _what_fits
 from optfuse.bench._models import DecoderConfig
 
 # The host table (``run_host``): the deepest d=2048 and d=4096 decoders at batch 1 and the
@@ -27,29 +27,6 @@ HOST_SEARCHES = (("layers", _what_fits.WIDE), ("layers", WIDE_4096),
                  ("batch", _what_fits.WIDE))
 # The 6.6B decoder at its size on one chip of each (the issue's TPU v5e and L4).
 SIZED_TARGETS = ("tpu-v5e", "l4")
-
-
-def host_depth(hosts: dict[int, int | None], memory: int | None, best: int) -> int | None:
-  """The deepest decoder, up to ``best`` layers, whose host bytes ``memory`` holds.
-
-  A layer adds its rows of params and state to the host, so the host bytes are affine in the
-  depth: the line through the two deepest of ``hosts`` (layers -> host bytes, as compiled)
-  gives them at every depth the loops fuse. ``None`` when ``memory`` is unknown or fewer than
-  two depths were compiled.
-
-  Examples:
-    >>> host_depth({4: 1_000, 8: 1_800}, memory=2_000, best=50)  # 200 + 200 a layer
-    9
-  """
-  points = sorted(k for k, h in hosts.items() if h is not None)
-  if memory is None or len(points) < 2:
-    return None
-  a, b = points[-2], points[-1]
-  per_layer = Fraction(hosts[b] - hosts[a], b - a)
-  if per_layer <= 0:
-    return best
-  base = hosts[a] - per_layer * a
-  return max(0, min(best, math.floor((memory - base) / per_layer)))
 
 
 def run_host(names: Sequence[str], offloads: Sequence[str] = ("params",),

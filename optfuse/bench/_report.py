@@ -309,9 +309,10 @@ def offload_cost_markdown(rows: Sequence[dict[str, Any]]) -> str:
   env = rows[0]
   return "\n".join([
       f"## optfuse.bench `--offload-cost`: jax {env['jax_version']}, optax "
-      f"{env['optax_version']}", "", "A model, not a timing (`optfuse/bench/_offload_cost.py`): "
-      "bytes from the plan (a host param row read twice and written once, a state or pending "
-      "gradient row read once and written once); transfer = bytes read / the host link each "
+      f"{env['optax_version']}", "",
+      "A model, not a timing (`optfuse/_analysis/_offload_cost.py`): bytes from the plan (a "
+      "host param row read twice and written once, a state or pending gradient row read once "
+      "and written once); transfer = bytes read / the host link each "
       "way; matmuls = the step's matmul FLOPs / the chip's peak. Peak FLOP/s is an upper "
       "bound: at 40 % of it the transfers hide from 0.4 times the batch given.", "",
       _offload_cost.markdown(rows)]) + "\n"

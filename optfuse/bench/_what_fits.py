@@ -6,10 +6,10 @@ params; the 1.3B decoder's layer), two searches per target and mode, compile-onl
 - depth: the most layers whose step fits the target's memory at batch 1, T=2048;
 - batch: the largest batch whose step fits at 24 layers (the 1.3B decoder), T=2048.
 
-Both use ``_fit.largest_affine``: a scanned model's peak is close to affine in its depth
-and its batch, so a search takes about four compiles, two when a previous target's fit guesses
-right; the answer is exact (it fits, one more does not). Peaks come from the disk cache of
-``_cache`` where the same code and compilers measured them before.
+Both are ``optfuse._analysis._what_fits.seeded_largest``: a scanned model's peak is close to
+affine in its depth and its batch, so a search takes about four compiles, two when a previous
+target's fit guesses right; the answer is exact (it fits, one more does not). Peaks come from
+the disk cache of ``_cache`` where the same code and compilers measured them before.
 
 ``--host-fits`` (``_host_fits``) runs the same searches with the params in host memory too.
 
@@ -23,7 +23,6 @@ AdamW's state in 8 bits; backward fusion alone (17.33 GB there, one more compile
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +30,8 @@ import optax
 from tqdm.auto import tqdm
 
 from optfuse import _fuse
-from optfuse._analysis import _fit, _memory
+from optfuse._analysis import _memory
+from optfuse._analysis._what_fits import seeded_largest
 from optfuse._targets import _compiled, _registry
 from optfuse.bench import _cache, _models, _suite
 from optfuse.bench._models import DecoderConfig
@@ -135,19 +135,6 @@ class Peaks:
       self.new = {}
 
 
-def _guesses(previous: dict[int, int | None], budget: int, default: tuple[int, int]
-             ) -> tuple[tuple[int, int], float | None]:
-  """The affine fit of another target's peaks read at this target's budget (the first two
-  probes), and its slope."""
-  points = sorted(k for k, p in previous.items() if p is not None)
-  if len(points) < 2 or previous[points[-1]] == previous[points[0]]:
-    return default, None
-  a, b = points[0], points[-1]
-  slope = (previous[b] - previous[a]) / (b - a)
-  guess = max(1, a + math.floor((budget - previous[a]) / slope))
-  return (guess, guess + 1), slope
-
-
 def search(name: str, mode: str, axis: str, peaks: Peaks, budget: int,
            previous: dict[int, int | None] | None, config: DecoderConfig = WIDE
            ) -> tuple[int, dict[int, int | None]]:
@@ -161,9 +148,7 @@ def search(name: str, mode: str, axis: str, peaks: Peaks, budget: int,
     return seen[k]
 
   default = (4, 8) if axis == "layers" else (1, 2)
-  guesses, slope = _guesses(previous or {}, budget, default)
-  best = _fit.largest_affine(peak, budget, 1, guesses, slope)
-  return best, seen
+  return seeded_largest(peak, budget, previous, default), seen
 
 
 def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool = True,

@@ -5,8 +5,8 @@ the machine it sits in, so whether a model fits depends on that machine too. ``H
 the machines a user rents or is given for each target of the registry, with the host memory
 its provider states and where that figure comes from; a figure no stored public page states is
 ``None`` ("not found"), never a guess. ``CHIPS`` lists the figures of the transfer model
-(``_offload_cost``): each chip's peak dense matmul FLOP/s and its host link's bandwidth each
-way, with their sources.
+(``optfuse._analysis._offload_cost``): each chip's peak dense matmul FLOP/s and its host link's
+bandwidth each way, with their sources.
 
 A machine's memory is an upper bound on what the offloaded arrays may use: the operating system,
 the Python process, the runtime and the input pipeline take some of it.
