@@ -46,6 +46,18 @@ STEPS = {"optax": ("off", None), "backward": ("backward", None),
          "backward + offload": ("backward", "state")}
 
 
+def kind_slices(kind: str) -> tuple[str, ...]:
+  """The slices of ``kind`` that ``DEFAULT_TARGETS`` tries (one chip alone for a kind it
+  does not name).
+
+  Examples:
+    >>> kind_slices("tpu-v5e"), kind_slices("tpu-v4")
+    (('tpu-v5e', 'tpu-v5e:2x2', 'tpu-v5e:2x4'), ('tpu-v4',))
+  """
+  named = tuple(n for n in DEFAULT_TARGETS if n.partition(":")[0] == kind)
+  return named or (kind,)
+
+
 def fsdp_axis(shape: Sequence[int], chips: int, stacked: bool | None = None) -> int | None:
   """The axis FSDP shards a leaf of ``shape`` along over ``chips``, or ``None`` (replicated).
 

@@ -251,6 +251,20 @@ _TPU_KINDS = {"TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e", "TPU v5": "tpu
               "TPU v4": "tpu-v4"}
 
 
+def accelerator_kind() -> str | None:
+  """The registry's name of this machine's TPU or GPU, or ``None`` (no accelerator, or one the
+  registry does not know): its device kind as a TPU reports it, or a GPU's words ("NVIDIA H100
+  80GB HBM3": h100)."""
+  if jax.default_backend() not in ("tpu", "gpu"):
+    return None
+  kind = jax.devices()[0].device_kind
+  if kind in _TPU_KINDS:
+    return _TPU_KINDS[kind]
+  words = set(re.split(r"[^a-z0-9]+", kind.lower()))
+  return next((name for name, spec in SPECS.items()
+               if spec.platform == "cuda" and set(name.split("-")) <= words), None)
+
+
 def _allocator_limit(device) -> int | None:
   try:
     stats = device.memory_stats()

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from optfuse._analysis._fit import parse_budget
+from optfuse._analysis._slices import DEFAULT_TARGETS, kind_slices
 from optfuse._base._errors import BudgetError, TargetError
 from optfuse._targets import _registry
 from optfuse.bench import (
@@ -159,10 +160,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def _quick_slices(use_cache: bool, progress: bool) -> list[dict]:
   """The slice planner's rows for this machine's TPU or GPU; none on a machine without one."""
-  kind = _slices.accelerator_kind()
+  kind = _registry.accelerator_kind()
   if kind is None:
     return []
-  return _slices.run(_slices.DEFAULT_MODEL, _slices.kind_slices(kind),
+  return _slices.run(_slices.DEFAULT_MODEL, kind_slices(kind),
                      layouts=_slices.QUICK_LAYOUTS, use_cache=use_cache, progress=progress)
 
 
@@ -181,7 +182,7 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
     write, markdown = _report.write_fit, _report.fit_markdown
     footer = f"(--fit {', '.join(names)}: {time.perf_counter() - start:.0f} s)"
   elif args.suite == "slices":
-    rows = _slices.run(args.model, args.target or _slices.DEFAULT_TARGETS, args.state_bits,
+    rows = _slices.run(args.model, args.target or DEFAULT_TARGETS, args.state_bits,
                        use_cache=not args.no_cache, progress=progress,
                        max_batch_per_chip=args.max_batch_per_chip)
     write, markdown, footer = _report.write_slices, _slices.markdown, ""
@@ -220,7 +221,7 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
     rows += [{**row, **{k: rows[0][k] for k in _suite.ENV_KEYS}} for row in fits]
     write, markdown = _report.write, _report.markdown
     footer = f"({suite.name} suite: {time.perf_counter() - start:.0f} s)"
-    if suite.name == "quick" and _slices.accelerator_kind() is None:
+    if suite.name == "quick" and _registry.accelerator_kind() is None:
       footer = f"{_slices.POINTER}\n{footer}"
   return rows, write, markdown, footer
 

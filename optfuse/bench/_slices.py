@@ -10,17 +10,14 @@ accelerator this machine has, if any.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import optax
 
 import optfuse
-from optfuse._analysis._slices import DEFAULT_TARGETS, SliceFit, SliceReport
-from optfuse._targets import _registry
+from optfuse._analysis._slices import SliceFit, SliceReport
 from optfuse.bench import _cache, _fit_table, _models, _suite
 
 DEFAULT_MODEL = "decoder_1.3b"
@@ -28,26 +25,6 @@ DEFAULT_MODEL = "decoder_1.3b"
 QUICK_LAYOUTS = ("fsdp",)
 POINTER = ("Which slice of TPU or GPU fits a model, and at what batch per chip: "
            "`python -m optfuse.bench --slices` (compile-only).")
-
-
-def kind_slices(kind: str) -> tuple[str, ...]:
-  """The slices of ``kind`` the planner tries by default (one chip alone for a GPU)."""
-  named = tuple(n for n in DEFAULT_TARGETS if n.partition(":")[0] == kind)
-  return named or (kind,)
-
-
-def accelerator_kind() -> str | None:
-  """The registry's name of this machine's TPU or GPU, or ``None`` (no accelerator, or one the
-  registry does not know): its device kind as a TPU reports it, or a GPU's words ("NVIDIA H100
-  80GB HBM3": h100)."""
-  if jax.default_backend() not in ("tpu", "gpu"):
-    return None
-  kind = jax.devices()[0].device_kind
-  if kind in _registry._TPU_KINDS:
-    return _registry._TPU_KINDS[kind]
-  words = set(re.split(r"[^a-z0-9]+", kind.lower()))
-  return next((name for name, spec in _registry.SPECS.items()
-               if spec.platform == "cuda" and set(name.split("-")) <= words), None)
 
 
 def run(model: str, targets: Sequence[str], state_bits: int | None = None,
