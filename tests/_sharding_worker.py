@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import functools
 import json
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +38,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optfuse
+from optfuse._analysis._collectives import all_gathers
 from optfuse._targets import _backends
 
 DEVICES = 8
@@ -134,14 +134,6 @@ def optax_step(loss: Callable) -> Callable:
     return value, optax.apply_updates(params, updates), state
 
   return step
-
-
-_ALL_GATHER = re.compile(r"=\s*(.+?)\s+all-gather(?:-start)?\(")
-
-
-def all_gathers(hlo: str) -> list[str]:
-  """The result types of the all-gathers in compiled HLO text, layouts dropped."""
-  return sorted(re.sub(r"\{[^}]*\}", "", m.group(1)) for m in _ALL_GATHER.finditer(hlo))
 
 
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:

@@ -6,9 +6,10 @@ one-axis mesh ``("fsdp",)`` of eight devices, and reads each executable's memory
 Nothing is allocated: the params, the optimizer state and the batch are
 ``jax.ShapeDtypeStruct``s that carry their ``NamedSharding``.
 
-FSDP here shards every param leaf along its largest axis that the devices divide, never along
-the layer axis of a stacked leaf (the loops slice stacked leaves row by row along it), and
-replicates the leaves no axis of which divides. The optimizer state is sharded like the params
+FSDP here is ``optfuse._analysis._fsdp``'s layout (every param leaf sharded along its largest
+axis that the devices divide, never the layer axis of a stacked leaf); the rows beside each
+step's peak are its per-device gradient bytes, and the collectives of the compiled HLO are read
+by ``optfuse._analysis._collectives``. The optimizer state is sharded like the params
 (``optax.tree_utils.tree_map_params``), the batch along its first axis, and the step returns
 params and state with their input shardings, donated (``donate_argnums=(0, 1)``). The axis is
 Auto, so XLA's partitioner places the gathers of each layer's weights.
@@ -24,7 +25,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optfuse
 from optfuse._analysis import _memory
+from optfuse._analysis._collectives import all_gathers, collective_counts
+from optfuse._analysis._fsdp import grad_share_bytes, live_grad_share_bytes, param_specs
 from optfuse._targets import _compiled
 from optfuse.bench import _models, _report, _suite
 from optfuse.bench._models import DecoderConfig, Model
@@ -61,79 +62,6 @@ SIZES: dict[str, DecoderConfig] = {
 def model_for(size: str) -> Model:
   """The scanned, rematerialized decoder of ``SIZES[size]``, named ``decoder_<size>``."""
   return _models.decoder(SIZES[size], scanned=True, remat=True, name=f"decoder_{size}")
-
-
-def _is_stacked(path) -> bool:
-  return any(getattr(k, "key", None) == "layers" for k in path)
-
-
-def param_specs(params, devices: int) -> Any:
-  """The FSDP ``PartitionSpec`` of every leaf of ``params`` (a tree of ``Leaf`` or arrays).
-
-  Leaves under a ``"layers"`` key are stacked: their axis 0 is the scan's layer axis.
-  """
-
-  def spec(path, leaf):
-    axis = optfuse.fsdp_axis(leaf.shape, devices, stacked=_is_stacked(path))
-    return P() if axis is None else P(*(AXIS if a == axis else None for a in range(axis + 1)))
-
-  return jax.tree_util.tree_map_with_path(spec, params, is_leaf=_models._is_leaf)
-
-
-def grad_share_bytes(params, specs, devices: int) -> int:
-  """Per-device bytes of the gradient: a sharded leaf's bytes over ``devices``, others whole.
-
-  Args:
-    params: a tree of ``Leaf`` (or arrays, ``jax.ShapeDtypeStruct``s).
-    specs: their ``PartitionSpec``s, as ``param_specs`` gives them.
-    devices: the size of the mesh axis.
-
-  Returns:
-    The bytes of the float leaves' gradient that one device holds.
-  """
-  leaves = jax.tree.leaves(params, is_leaf=_models._is_leaf)
-  parts = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-  return sum(_models.nbytes(p) // (devices if any(s) else 1)
-             for p, s in zip(leaves, parts, strict=True) if jnp.issubdtype(p.dtype, jnp.inexact))
-
-
-def live_grad_share_bytes(params, specs, devices: int) -> int:
-  """Per-device bytes of the gradient a fused step must hold at once, for a scanned decoder.
-
-  As ``Model.live_grad_bytes`` of ``_models.decoder(scanned=True)``, on one device: the leaves
-  outside the loop (the tied embedding's gradient is complete only at the end of the backward
-  pass) plus one layer's rows of the stacked leaves under ``params["layers"]``.
-
-  Args:
-    params: a tree of ``Leaf`` with the stacked leaves under ``"layers"``.
-    specs: their ``PartitionSpec``s.
-    devices: the size of the mesh axis.
-
-  Returns:
-    Bytes per device.
-  """
-  outside = [k for k in params if k != "layers"]
-  layers = jax.tree.leaves(params["layers"], is_leaf=_models._is_leaf)[0].shape[0]
-  return (grad_share_bytes([params[k] for k in outside], [specs[k] for k in outside], devices)
-          + grad_share_bytes(params["layers"], specs["layers"], devices) // layers)
-
-
-_ALL_GATHER = re.compile(r"=\s*(.+?)\s+all-gather(?:-start)?\(")
-_COLLECTIVE = re.compile(
-    r"\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
-
-
-def all_gathers(hlo: str) -> list[str]:
-  """The result types of the all-gathers in compiled HLO text, layouts dropped, sorted.
-
-  A gather inside a loop body is one entry, however many times the loop runs it.
-  """
-  return sorted(re.sub(r"\{[^}]*\}", "", m.group(1)) for m in _ALL_GATHER.finditer(hlo))
-
-
-def collective_counts(hlo: str) -> dict[str, int]:
-  """How many of each collective compiled HLO text holds (one in a loop body counts once)."""
-  return dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo)).items()))
 
 
 def _with_sharding(tree, shardings):
@@ -198,7 +126,7 @@ def measure(model: Model, devices: int = DEVICES, progress: bool = False) -> lis
                        f"count={devices} before JAX starts (optfuse.bench._fsdp.run does).")
   mesh = jax.make_mesh((devices,), (AXIS,), axis_types=(AxisType.Auto,))
   replicated = NamedSharding(mesh, P())
-  specs = param_specs(model.params, devices)
+  specs = param_specs(model.params, devices, AXIS)
   params = _with_sharding(_models.abstract(model.params),
                           jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                        is_leaf=lambda x: isinstance(x, P)))
