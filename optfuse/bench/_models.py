@@ -85,7 +85,7 @@ class Model(NamedTuple):
     loss: ``loss(params, *batch) -> scalar``.
     live_grad_bytes: ``live_grad_bytes(params) -> int``: the gradient bytes that must exist at
       the same time even when every update is fused at the earliest point (the memory floor's
-      part of the gradient; see ``optfuse.bench._suite``).
+      part of the gradient; see ``optfuse._analysis._floor``).
     description: one line for the results.
     step_options: keyword arguments of ``fx.value_and_update`` (``microbatches``).
   """

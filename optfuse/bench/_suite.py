@@ -10,16 +10,8 @@ The ``large`` section compiles big scanned decoders from ``jax.ShapeDtypeStruct`
 mode, for this machine or for an accelerator's compiler (``optfuse.targets``): nothing is
 allocated, so billion-parameter shapes are measured anywhere.
 
-The memory floor of a model (``floor_bytes``) is an estimate: optax's compiled peak, minus the
-whole gradient, plus the gradient bytes that must be live at once even when every update is fused
-at the earliest point (``Model.live_grad_bytes``: one layer's slice of the stacked leaves plus the
-leaves outside the loop for scanned decoders, the largest leaf for unrolled models, the whole
-accumulator for gradient accumulation), and never less than the step's inputs plus outputs. It
-assumes optax holds the whole gradient at its peak: true when the backward pass is a scan (the
-stacked gradient is the scan's output), optimistic for unrolled models, where XLA already frees
-gradient buffers early and optax's peak can be below optax-minus-gradient plus the live part, and
-on compilers that write the stacked gradient into buffers dead by optax's peak (the TPU
-compiler's, for the bfloat16 forms: the docs' benchmarks page).
+The memory floor of a model (``floor_bytes``) is ``optfuse._analysis._floor``'s estimate, with
+the gradient bytes a fused step must still hold at once from ``Model.live_grad_bytes``.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ from tqdm.auto import tqdm
 
 import optfuse
 from optfuse import _fuse
-from optfuse._analysis import _memory, _report
+from optfuse._analysis import _floor, _memory, _report
 from optfuse._targets import _compiled, _registry
 from optfuse.bench import _forms, _models, _timing
 from optfuse.bench._models import DecoderConfig, Model
@@ -339,11 +331,9 @@ def run_suite(suite: Suite, progress: bool = True, targets: tuple[Any, ...] = (N
   return rows
 
 def floor_bytes(model: Model, params, off_memory: dict[str, int]) -> int:
-  """The estimated memory floor of a model (see the module docstring)."""
-  grads = _models.grad_bytes(params)
-  persistent = (off_memory["argument_bytes"] + off_memory["output_bytes"]
-                - off_memory["alias_bytes"])
-  return max(persistent, off_memory["peak_bytes"] - grads + model.live_grad_bytes(params))
+  """The estimated memory floor of a model (``optfuse._analysis._floor``)."""
+  return _floor.floor_bytes(off_memory, _models.grad_bytes(params),
+                            model.live_grad_bytes(params))
 
 
 def run_large(model: Model, target: Any = None, offload: bool = False,
