@@ -213,6 +213,65 @@ def test_version_specific_forms_are_read_in_the_interpreter_only(module):
                      "call_body, inner_jaxprs, bind)")
 
 
+# The benchmark command runs, times and prints; the models it reports (hardware tables, cost
+# and fit models) live in the library's layers, where users and tests reach them. Each bench
+# module has one of these roles, and names the analysis and target modules whose models it
+# runs or prints: a new model is written there and named here, not written in the bench.
+BENCH_ROLES = {
+    "bench": ("command", set()),                           # SUITES, run_suite
+    "bench.__main__": ("command", {"_analysis._fit", "_analysis._slices", "_targets._registry"}),
+    "bench._models": ("workload", set()),                  # the models it runs, in plain JAX
+    "bench._forms": ("workload", set()),                   # scanned decoders as codebases write
+    "bench._timing": ("timer", {"_analysis._memory"}),
+    "bench._cache": ("runner", set()),                     # compile-only peaks on disk
+    "bench._suite": ("runner", {"_analysis._floor", "_analysis._memory", "_analysis._report",
+                                "_targets._compiled", "_targets._registry"}),
+    "bench._fit_table": ("runner", {"_analysis._memory"}),
+    "bench._slices": ("runner", {"_analysis._slices"}),
+    "bench._what_fits": ("runner", {"_analysis._memory", "_analysis._what_fits",
+                                    "_targets._compiled", "_targets._registry"}),
+    "bench._host_fits": ("runner", {"_analysis._memory", "_analysis._what_fits",
+                                    "_targets._compiled", "_targets._hosts"}),
+    "bench._offload_cost": ("runner", {"_analysis._offload_cost", "_targets._compiled",
+                                       "_targets._hosts"}),
+    "bench._offload_time": ("timer", {"_analysis._params_memory"}),
+    "bench._fsdp": ("runner", {"_analysis._collectives", "_analysis._fsdp", "_analysis._memory",
+                               "_targets._compiled"}),
+    "bench._report": ("printer", {"_targets._compiled"}),
+}
+BENCH_MODULES = [m for m in MODULES if _unit(m) == "bench"]
+
+
+def test_nothing_in_the_library_imports_the_bench():
+  importers = {m: sorted(i for i in _optfuse_imports(_tree(m)) if _unit(i) == "bench")
+               for m in MODULES if _unit(m) != "bench"}
+  assert not {m: i for m, i in importers.items() if i}
+
+
+def test_every_bench_module_has_a_role_that_runs_times_or_prints():
+  assert set(BENCH_MODULES) == set(BENCH_ROLES)
+  assert {role for role, _ in BENCH_ROLES.values()} <= {
+      "command", "workload", "runner", "timer", "printer"}
+
+
+@pytest.mark.parametrize("module", BENCH_MODULES)
+def test_a_bench_module_reaches_the_models_it_reports_in_the_layers_below(module):
+  below = {i for i in _optfuse_imports(_tree(module)) if _unit(i) in ("_analysis", "_targets")}
+  assert below == BENCH_ROLES[module][1], (
+      f"{module} uses {sorted(below)}: name them in BENCH_ROLES (a model the bench needs is "
+      "written in _analysis or _targets, where users and tests reach it)")
+
+
+@pytest.mark.parametrize("module", BENCH_MODULES)
+def test_no_bench_module_holds_a_worked_example(module):
+  # A function with a doctest is one a user or a test calls on its own: a model, and the bench's
+  # docstrings are not run (tests/project/test_docstrings.py), so it belongs below the bench.
+  examples = [n.name for n in ast.walk(_tree(module))
+              if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+              and ">>>" in (ast.get_docstring(n) or "")]
+  assert not examples, f"{module} holds worked examples in {examples}: move them below the bench"
+
+
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 TEST_FOLDERS = {"jaxpr", "plan", "fusion", "engines", "low_bit", "adapters", "analysis",
                 "end_to_end", "project"}
