@@ -51,6 +51,20 @@ from optfuse._targets._registry import target_mesh as target_mesh
 from optfuse._targets._registry import targets as targets
 from optfuse._train_step import train_step as train_step
 
+# The names ``from optfuse import *`` binds: every name re-exported above (docs/api.md
+# documents each; tests/project/test_api.py checks both). The Flax adapters are left out:
+# they import Flax, which the core does not need, on first use.
+__all__ = [
+    "OffloadPlan", "place", "plan_offload", "describe", "FitReport", "max_batch_size",
+    "params_to_device", "params_to_host", "streamed", "MemoryReport", "memory_report", "SliceFit",
+    "SliceReport", "fsdp_axis", "smallest_slices", "BudgetError", "GuardError", "LossOutputError",
+    "LowBitError", "MicrobatchError", "MuonDimsError", "NonSeparableError", "OffloadError",
+    "OptfuseError", "OptionsError", "ParamsStructureError", "StateMismatchError", "TargetError",
+    "UnknownModeError", "FuseOptions", "ForwardState", "from_optax_state", "to_optax_state",
+    "FusedTransformation", "check_separable", "fuse", "QuantizedSlot", "low_bit",
+    "stacked_muon_dims", "compiling_for", "DoesNotFit", "target_mesh", "targets", "train_step",
+]
+
 __version__ = "0.1.0"
 
 _ADAPTERS = ("linen", "nnx")
