@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optfuse._base._leaves import nbytes as nbytes
+
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
@@ -97,11 +99,6 @@ class Model(NamedTuple):
   live_grad_bytes: Callable[[Any], int]
   description: str
   step_options: dict[str, Any] = {}
-
-
-def nbytes(x) -> int:
-  """Bytes of an array, ``jax.ShapeDtypeStruct`` or ``Leaf``."""
-  return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
 def grad_bytes(params) -> int:
