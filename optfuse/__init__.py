@@ -12,6 +12,7 @@ from optfuse._analysis._auto import plan_offload as plan_offload
 from optfuse._analysis._describe import describe as describe
 from optfuse._analysis._fit import FitReport as FitReport
 from optfuse._analysis._fit import max_batch_size as max_batch_size
+from optfuse._analysis._fsdp import fsdp_axis as fsdp_axis
 from optfuse._analysis._params_memory import params_to_device as params_to_device
 from optfuse._analysis._params_memory import params_to_host as params_to_host
 from optfuse._analysis._params_memory import streamed as streamed
@@ -19,7 +20,6 @@ from optfuse._analysis._report import MemoryReport as MemoryReport
 from optfuse._analysis._report import memory_report as memory_report
 from optfuse._analysis._slices import SliceFit as SliceFit
 from optfuse._analysis._slices import SliceReport as SliceReport
-from optfuse._analysis._slices import fsdp_axis as fsdp_axis
 from optfuse._analysis._slices import smallest_slices as smallest_slices
 from optfuse._base._errors import BudgetError as BudgetError
 from optfuse._base._errors import GuardError as GuardError

@@ -1,9 +1,10 @@
 """FSDP's layout of a params tree and the gradient one device holds under it.
 
-FSDP here shards every param leaf along its largest axis that the devices divide
-(``_slices.fsdp_axis``), never along the layer axis of a stacked leaf (the fused loops slice
-stacked leaves row by row along it), and replicates the leaves no axis of which divides. A leaf
-under a ``"layers"`` key is stacked, as in a scanned decoder. The params may be arrays,
+FSDP here shards every param leaf along its largest axis that the devices divide (``fsdp_axis``,
+which ``smallest_slices`` uses too), never along the layer axis of a stacked leaf (the fused
+loops slice stacked leaves row by row along it), and replicates the leaves no axis of which
+divides. For ``param_specs`` a leaf under a ``"layers"`` key is stacked, as in a scanned
+decoder. The params may be arrays,
 ``jax.ShapeDtypeStruct``s, or anything with a ``shape`` and a ``dtype`` (the benchmark's
 ``Leaf``).
 
@@ -13,14 +14,36 @@ beside their compiled peaks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from optfuse._analysis._slices import fsdp_axis
 from optfuse._base._leaves import nbytes
+
+
+def fsdp_axis(shape: Sequence[int], chips: int, stacked: bool | None = None) -> int | None:
+  """The axis FSDP shards a leaf of ``shape`` along over ``chips``, or ``None`` (replicated).
+
+  Args:
+    shape: the leaf's shape.
+    chips: the number of chips it is sharded over.
+    stacked: whether axis 0 is the layer axis of a scanned stack, which is never sharded (the
+      fused loops slice it row by row); ``None``: a leaf of three or more axes is stacked.
+
+  Returns:
+    The largest axis that ``chips`` divides (the first of equal ones), or ``None`` if none.
+
+  Examples:
+    >>> import optfuse as fx
+    >>> fx.fsdp_axis((32000, 2048), 4), fx.fsdp_axis((24, 2048, 8192), 4), fx.fsdp_axis((3, 5), 4)
+    (0, 2, None)
+  """
+  skip = len(shape) >= 3 if stacked is None else stacked
+  axes = [a for a in range(1 if skip else 0, len(shape)) if shape[a] % chips == 0]
+  return max(axes, key=lambda a: shape[a], default=None)
 
 
 def _is_stacked(path) -> bool:

@@ -24,6 +24,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optfuse._analysis import _fit, _memory
+from optfuse._analysis._fsdp import fsdp_axis
 from optfuse._base import _checks
 from optfuse._base._errors import (
   BudgetError,
@@ -56,28 +57,6 @@ def kind_slices(kind: str) -> tuple[str, ...]:
   """
   named = tuple(n for n in DEFAULT_TARGETS if n.partition(":")[0] == kind)
   return named or (kind,)
-
-
-def fsdp_axis(shape: Sequence[int], chips: int, stacked: bool | None = None) -> int | None:
-  """The axis FSDP shards a leaf of ``shape`` along over ``chips``, or ``None`` (replicated).
-
-  Args:
-    shape: the leaf's shape.
-    chips: the number of chips it is sharded over.
-    stacked: whether axis 0 is the layer axis of a scanned stack, which is never sharded (the
-      fused loops slice it row by row); ``None``: a leaf of three or more axes is stacked.
-
-  Returns:
-    The largest axis that ``chips`` divides (the first of equal ones), or ``None`` if none.
-
-  Examples:
-    >>> import optfuse as fx
-    >>> fx.fsdp_axis((32000, 2048), 4), fx.fsdp_axis((24, 2048, 8192), 4), fx.fsdp_axis((3, 5), 4)
-    (0, 2, None)
-  """
-  skip = len(shape) >= 3 if stacked is None else stacked
-  axes = [a for a in range(1 if skip else 0, len(shape)) if shape[a] % chips == 0]
-  return max(axes, key=lambda a: shape[a], default=None)
 
 
 def _fsdp(params: Any, target: _registry.Target, shard_axis: Callable) -> Any:

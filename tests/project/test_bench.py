@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-import optfuse
 from optfuse._analysis import _memory
 from optfuse._targets import _compiled, _registry
 from optfuse.bench import __main__ as bench_main
@@ -127,14 +126,6 @@ def test_fsdp_fuses_every_stacked_leaf_without_new_collectives(fsdp_tiny_run):
         "stacked_leaves"] == 6, row["mode"]
     assert row["extra_all_gathers"] == [], row["mode"]
     assert row["collectives"] == off["collectives"], row["mode"]
-
-
-def test_fsdp_never_shards_the_layer_axis_and_replicates_what_does_not_divide():
-  assert optfuse.fsdp_axis((16, 1024, 4096), 8, stacked=True) == 2
-  assert optfuse.fsdp_axis((64, 8, 3), 8, stacked=True) == 1
-  assert optfuse.fsdp_axis((64, 3), 8, stacked=True) is None
-  assert optfuse.fsdp_axis((32000, 1024), 8, stacked=False) == 0
-  assert optfuse.fsdp_axis((3,), 8, stacked=False) is None
 
 
 def _run_fit(budget, out):
