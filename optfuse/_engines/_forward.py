@@ -65,6 +65,14 @@ from optfuse._plan._plan import Plan, PlanCache
 from optfuse._targets._backends import LoopPolicy, loop_policy
 
 
+def _selected_rows(plan: Plan, rows: frozenset[int], own_params: list, own_state: list,
+                   from_cut: list) -> tuple[list, list, list, list]:
+  """``apply``'s outputs as booleans: whether a row loop chose the value row by row."""
+  row_slots = {k for i in rows for k in plan.groups[i].state_outs}
+  return ([i in rows for i in own_params], [k in row_slots for k in own_state],
+          [False] * len(plan.cuts), [False] * len(from_cut))
+
+
 def apply_pending(plan: Plan, policy: LoopPolicy, params, state: ForwardState,
                   rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
                   axes: dict | None = None, from_cut: frozenset[int] = frozenset()
@@ -94,10 +102,11 @@ def apply_pending(plan: Plan, policy: LoopPolicy, params, state: ForwardState,
   own_state = [k for k in range(plan.num_state) if k not in deferred_slots]
   from_cut_leaves = sorted(from_cut)
 
-  def apply(operands):
+  def apply(operands, rows_if=None):
     grads, state_leaves, param_leaves = operands
     new_params, new_state, cuts, buffers = apply_update(
-        plan, policy, grads, state_leaves, param_leaves, rows, deferred, axes, from_cut)
+        plan, policy, grads, state_leaves, param_leaves, rows, deferred, axes, from_cut,
+        rows_if)
     # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
     new_state = [jnp.asarray(new_state[k]).astype(jnp.result_type(state_leaves[k]))
                  for k in own_state]
@@ -113,8 +122,12 @@ def apply_pending(plan: Plan, policy: LoopPolicy, params, state: ForwardState,
   operands = (plan.params_def.flatten_up_to(state.pending_grads), state_leaves, param_leaves)
   traced = isinstance(state.has_pending, jax.core.Tracer)
   if traced and policy.pending_select and not any(map(is_host, state_leaves)):
+    # The row loops choose row by row (``_apply.update_rows``): their stacks are not selected
+    # again whole.
+    chosen = _selected_rows(plan, rows, own_params, own_state, from_cut_leaves)
     own_new_params, own_new_state, cuts, cut_grads = jax.tree.map(
-        lambda new, old: jnp.where(state.has_pending, new, old), apply(operands), keep(operands))
+        lambda new, old, row_chosen: new if row_chosen else jnp.where(state.has_pending, new, old),
+        apply(operands, state.has_pending), keep(operands), chosen)
   elif traced:
     own_new_params, own_new_state, cuts, cut_grads = jax.lax.cond(
         state.has_pending, apply, keep, operands)

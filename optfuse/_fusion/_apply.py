@@ -44,8 +44,8 @@ from optfuse._targets._backends import LoopPolicy
 
 def apply_update(plan: Plan, policy: LoopPolicy, grads: list, state: list, params: list,
                  rows: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
-                 axes: dict | None = None, from_cut: frozenset[int] = frozenset()
-                 ) -> tuple[list, list, list, list]:
+                 axes: dict | None = None, from_cut: frozenset[int] = frozenset(),
+                 rows_if: jax.Array | None = None) -> tuple[list, list, list, list]:
   """The plan's update of flat ``params`` and ``state`` from the flat ``grads``, applied.
 
   Args:
@@ -59,6 +59,8 @@ def apply_update(plan: Plan, policy: LoopPolicy, grads: list, state: list, param
     axes: leaf -> the axis its rows are stacked along (default 0).
     from_cut: leaves updated whole through their ``Plan.cut_gradient_split``: the cut gradient
       (the clipped one) first, then the rest of the update from it, in place.
+    rows_if: a scalar bool, or ``None`` (true): whether the row loops write their new rows;
+      where false, each row is written back as it was (``update_rows``).
 
   Returns:
     ``(new_params, new_state, cuts, cut_grads)``: flat, with the cuts of the plan's global
@@ -79,7 +81,7 @@ def apply_update(plan: Plan, policy: LoopPolicy, grads: list, state: list, param
       new_params[i] = optax.apply_updates(p, update)
     elif i in rows:
       new_params[i], slots[i] = update_rows(plan, policy, i, grads[i], state, params, cuts,
-                                            (axes or {}).get(i, 0))
+                                            (axes or {}).get(i, 0), rows_if)
     else:
       ordered = previous is not None and not plan.is_separable
       grad = to_device(grads[i])
@@ -158,9 +160,16 @@ def stacked_from_cut_gradient(plan: Plan, axes: dict, params: list) -> frozenset
 
 
 def update_rows(plan: Plan, policy: LoopPolicy, i: int, grad, state: list, params: list,
-                cuts: list, axis: int = 0) -> tuple[Any, list]:
+                cuts: list, axis: int = 0, rows_if: jax.Array | None = None
+                ) -> tuple[Any, list]:
   """Leaf ``i``'s new param and state slots from its gradient ``grad``, one row per iteration,
   written in place.
+
+  With ``rows_if`` (a scalar bool) each row written is the new one where it is true and the old
+  one where it is false. A caller that chooses between the updated and the old stacks chooses
+  so, row by row: a select between the loop's whole output and the stack it read would keep
+  both stacks, and the GPU compiler copies the param and slot stacks whole before the loop
+  (``tests/engines/test_in_place.py``).
 
   The slots are written in the loop too. Updating them whole after it, as the forward loop
   does when ``plan.slots_whole(i)``, makes XLA copy the whole param stack twice inside the
@@ -174,10 +183,16 @@ def update_rows(plan: Plan, policy: LoopPolicy, i: int, grad, state: list, param
     # The gradient is a buffer: its rows are slices, and the slot rows need no order after
     # them (``_row_buffers``).
     grad_row = row_at(grad, index, axis)
+    old_slots = read(0, None)
     update, new_slots = plan.run_group_row(i, state, params, cuts,
-                                           (grad_row, param_rows[0], read(0, None)), index,
+                                           (grad_row, param_rows[0], old_slots), index,
                                            length, axis)
-    return [(optax.apply_updates(param_rows[0], update), new_slots)], carry
+    new_param = optax.apply_updates(param_rows[0], update)
+    if rows_if is not None:
+      new_param, new_slots = jax.tree.map(lambda new, old: jnp.where(rows_if, new, old),
+                                          (new_param, list(new_slots)),
+                                          (param_rows[0], list(old_slots)))
+    return [(new_param, new_slots)], carry
 
   stack = Stack(params[i], tuple(state[k] for k in group.state_outs), axis)
   (stack,), _ = row_loop(policy, length, lambda k: k, [stack], body, ())

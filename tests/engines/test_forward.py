@@ -441,14 +441,18 @@ def test_forward_fusion_of_the_accelerators_placement_matches_optax(monkeypatch,
 
 
 # The GPU's choice of the pending update (``_backends.PENDING_SELECT``: a select per leaf, the
-# update computed at every step and kept only when a gradient is pending), run here on the CPU:
-# the first step's unchanged params, the NaN steps of ``apply_if_finite`` and microbatches.
+# update computed at every step and kept only when a gradient is pending; the stacked leaves
+# updated row by row, ``FORWARD_STACKED_ROWS``, each row chosen in its loop), run here on the
+# CPU: the first step's unchanged params, the NaN steps of ``apply_if_finite``, microbatches,
+# and the pending update of a scanned model's stacks before its microbatches (row loops).
 @pytest.mark.parametrize("check", [
     lambda: test_forward_fusion_matches_optax_over_50_steps("clip_by_global_norm+adamw"),
     test_forward_apply_if_finite_skips_nan_steps_exactly_as_optax,
     test_forward_fusion_with_microbatches_matches_optax_accumulation_over_50_steps,
-], ids=["clip_adamw", "apply_if_finite", "microbatches"])
+    test_forward_fusion_with_microbatches_of_a_scanned_model_matches_optax_accumulation,
+], ids=["clip_adamw", "apply_if_finite", "microbatches", "scanned_microbatches"])
 def test_the_pending_update_chosen_by_a_select_matches_optax(monkeypatch, check):
   from optfuse._targets import _backends
   monkeypatch.setitem(_backends.PENDING_SELECT, "cpu", True)
+  monkeypatch.setitem(_backends.FORWARD_STACKED_ROWS, "cpu", _backends.FORWARD_STACKED_ROWS["cuda"])
   check()
