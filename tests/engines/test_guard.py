@@ -1,6 +1,6 @@
 """The memory guard (``optfuse.fuse(tx, guard=True)``): a fused loop is kept only where the
 compiled step peaks no higher with it than with its leaves tapped, decided once per input
-shapes, and the step still trains exactly like optax."""
+shapes, and the step still trains like optax (to the suite's criterion)."""
 
 import contextlib
 
