@@ -10,7 +10,7 @@ import jax
 import optax
 
 from optfuse._base import _checks, _options
-from optfuse._base._options import FuseOptions
+from optfuse._base._options import NOT_GIVEN, FuseOptions, NotGiven
 from optfuse._engines._backward import BackwardEngine
 from optfuse._engines._engine import Engine, PlacedStep, Step, without_placements
 from optfuse._engines._forward import ForwardEngine
@@ -89,13 +89,15 @@ def make_engine(tx: optax.GradientTransformation, options: FuseOptions) -> Engin
 
 
 def fuse(tx: optax.GradientTransformation, mode: str | None = None,
-         global_ops: str | None = None, offload: str | None = None,
+         global_ops: str | None | NotGiven = NOT_GIVEN, offload: str | None | NotGiven = NOT_GIVEN,
          guard: bool | None = None, *, options: FuseOptions | None = None
          ) -> FusedTransformation:
   """Fuses the optax transformation ``tx`` into the training step.
 
   The options are one ``FuseOptions``: ``options=``, or the keywords, a shorthand that builds
-  it (a keyword left at ``None`` takes its default, "backward" mode without the others).
+  it (a keyword left at its default takes that of ``options``, or "backward" mode without the
+  others; an explicit ``offload=None`` or ``global_ops=None`` is given, and must agree with
+  ``options``).
 
   Args:
     tx: any optax ``GradientTransformation`` (a chain, ``inject_hyperparams``, masks...).
@@ -127,7 +129,8 @@ def fuse(tx: optax.GradientTransformation, mode: str | None = None,
       scans, once more per scan) for the platform it is traced for, and keeps the placement
       with the lowest compiled peak, so that fusion never peaks above taps (which peak at
       optax's); ``describe(fx, ...).reasons`` says which loops it gave up and both peaks. Not
-      with ``offload="params"``, whose stacks are read a row at a time only in their loops.
+      with ``offload="params"`` or ``"auto"``, whose stacks are read a row at a time only in
+      their loops.
       ``False`` (default): every loop that can fuse is fused.
     options: the options as one ``FuseOptions``, in place of the keywords.
 
@@ -140,7 +143,7 @@ def fuse(tx: optax.GradientTransformation, mode: str | None = None,
     OffloadError: ``offload`` is not ``None``, "state", "params" or "auto", or is given with
       ``global_ops``, or is "params" in mode "off", or "auto" outside backward mode.
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode or with
-      ``offload="params"``.
+      ``offload="params"`` or ``"auto"``.
     OptionsError: ``options`` is given with a keyword that contradicts it.
 
   Examples:

@@ -16,14 +16,15 @@ from typing import Any
 
 from optfuse._base import _memory_spaces, _options
 from optfuse._base._errors import OffloadError, OptionsError
-from optfuse._base._options import FuseOptions
+from optfuse._base._options import NOT_GIVEN, FuseOptions, NotGiven
 from optfuse._fuse import fuse_with
 
 
 def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
                options: FuseOptions | None = None, mode: str | None = None,
-               global_ops: str | None = None, microbatches: int | None = None,
-               guard: bool | None = None, offload: str | None = None) -> Callable:
+               global_ops: str | None | NotGiven = NOT_GIVEN, microbatches: int | None = None,
+               guard: bool | None = None,
+               offload: str | None | NotGiven = NOT_GIVEN) -> Callable:
   """Turns ``loss_fn(params, *args)`` into ``step(state, *args) -> (value, state)``.
 
   ``step(state, *args)`` does what ``jax.value_and_grad(loss_fn)(state.params, *args)`` followed
@@ -33,9 +34,10 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
   ``loss, state = optfuse.train_step(loss_fn)(state)``.
 
   The fusion options are one ``FuseOptions``: ``options=``, or the keywords ``mode``,
-  ``global_ops``, ``guard`` and ``offload``, a shorthand that builds it (a keyword left at
-  ``None`` is not given). An ``optfuse.linen.TrainState`` carries its own options, which its
-  ``opt_state`` was built for: the step runs with them, and options given here must agree.
+  ``global_ops``, ``guard`` and ``offload``, a shorthand that builds it (a keyword left at its
+  default is not given; an explicit ``offload=None`` or ``global_ops=None`` is given). An
+  ``optfuse.linen.TrainState`` carries its own options, which its ``opt_state`` was built for:
+  the step runs with them, and options given here must agree.
 
   Args:
     loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a float scalar, or ``(loss, aux)``
@@ -100,9 +102,9 @@ def train_step(loss_fn: Callable | None = None, *, has_aux: bool = False,
   resolved = _options.resolve(options, **given)
   resolved.check_microbatches(microbatches)
   # What was given, for the comparison with a state's own options: all of ``options``, else the
-  # keywords that are not None.
+  # keywords given.
   named = (dataclasses.asdict(options) if options is not None
-           else {name: value for name, value in given.items() if value is not None})
+           else _options.given_options(**given))
   fused_by_tx: dict = {}
 
   @functools.wraps(loss_fn)

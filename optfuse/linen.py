@@ -33,7 +33,7 @@ from optfuse._analysis import _auto, _params_memory
 from optfuse._analysis._auto import OffloadPlan
 from optfuse._base import _memory_spaces
 from optfuse._base._errors import ParamsStructureError
-from optfuse._base._options import FuseOptions
+from optfuse._base._options import NOT_GIVEN, FuseOptions, NotGiven
 from optfuse._fuse import FusedTransformation, fuse, fuse_with
 
 
@@ -129,8 +129,8 @@ class TrainState(train_state.TrainState):
   @classmethod
   def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation,
              options: FuseOptions | None = None, mode: str | None = None,
-             global_ops: str | None = None, guard: bool | None = None,
-             offload: str | None = None, **kwargs) -> TrainState:
+             global_ops: str | None | NotGiven = NOT_GIVEN, guard: bool | None = None,
+             offload: str | None | NotGiven = NOT_GIVEN, **kwargs) -> TrainState:
     """A new state with ``step=0`` and ``opt_state = optfuse.fuse(tx, options=options).init(
     params)``.
 

@@ -34,7 +34,7 @@ from optfuse._analysis._auto import OffloadPlan
 from optfuse._base import _leaves, _memory_spaces
 from optfuse._base._checks import check_loss
 from optfuse._base._errors import MicrobatchError
-from optfuse._base._options import FuseOptions
+from optfuse._base._options import NOT_GIVEN, FuseOptions, NotGiven
 from optfuse._fuse import fuse
 
 M = TypeVar("M", bound=nnx.Module)
@@ -100,8 +100,8 @@ class Optimizer(nnx.Optimizer[M]):
 
   def __init__(self, model: M, tx: optax.GradientTransformation, *,
                wrt: filterlib.Filter = nnx.Param, options: FuseOptions | None = None,
-               mode: str | None = None, global_ops: str | None = None,
-               guard: bool | None = None, offload: str | None = None,
+               mode: str | None = None, global_ops: str | None | NotGiven = NOT_GIVEN,
+               guard: bool | None = None, offload: str | None | NotGiven = NOT_GIVEN,
                graph: bool | None = None):
     """Builds the optimizer state of the ``wrt`` variables of ``model``.
 

@@ -116,7 +116,7 @@ def _leaves(fx, loss_fn: Callable, params, args: tuple, kwargs: dict) -> list[_L
   state = jax.tree.leaves(jax.eval_shape(fx.tx.init, params))
   slots = _streams.slots_of(fx.tx, params)
   where = describe(fx.tx, loss_fn, params, *args,
-                   options=_options.FuseOptions(offload="params", guard=fx.guard), **kwargs)
+                   options=_options.FuseOptions(offload="params"), **kwargs)
   paths = dict.fromkeys([*slots, *(p for p, w in where.params.items() if w == "host")])
   return [_Leaf(p, _bytes(flat[p]), sum(_bytes(state[k]) for k in slots.get(p, ())),
                 where.params.get(p) == "host") for p in paths]

@@ -26,7 +26,7 @@ from optfuse import _fuse
 from optfuse._analysis import _memory
 from optfuse._base import _checks, _options
 from optfuse._base._errors import BudgetError
-from optfuse._base._options import FuseOptions
+from optfuse._base._options import NOT_GIVEN, FuseOptions, NotGiven
 from optfuse._targets import _registry
 from optfuse._targets._compiled import format_bytes
 
@@ -305,8 +305,9 @@ def resolve_budget(budget_bytes: int | float | str | None, target: _registry.Tar
 def max_batch_size(loss_fn: Callable, tx: optax.GradientTransformation, params: Any,
                    args_for: Callable[[int], Any], budget_bytes: int | float | str | None = None,
                    *, target: Any = None, modes: Sequence[str] | None = None,
-                   options: FuseOptions | None = None, global_ops: str | None = None,
-                   microbatches: int | None = None, offload: str | None = None,
+                   options: FuseOptions | None = None,
+                   global_ops: str | None | NotGiven = NOT_GIVEN,
+                   microbatches: int | None = None, offload: str | None | NotGiven = NOT_GIVEN,
                    guard: bool | None = None, state_bits: int | None = None,
                    max_batch: int | None = None, progress: bool = True) -> FitReport:
   """The largest batch whose compiled training step fits ``budget_bytes``, per mode.

@@ -26,7 +26,7 @@ from optfuse._analysis import _auto, _memory
 from optfuse._analysis._memory import MODES, TRANSFER_FIELDS, UNAVAILABLE_ERRORS
 from optfuse._base import _options
 from optfuse._base._errors import OffloadError
-from optfuse._base._options import FuseOptions
+from optfuse._base._options import NOT_GIVEN, FuseOptions, NotGiven
 from optfuse._targets import _registry
 from optfuse._targets._compiled import FIELDS, HOST_FIELDS, DoesNotFit, format_bytes
 
@@ -116,8 +116,8 @@ class MemoryReport(Mapping):
 
 def memory_report(loss_fn: Callable, tx: optax.GradientTransformation, params: Any, *args: Any,
                   target: Any = None, options: FuseOptions | None = None,
-                  offload: str | None = None, guard: bool | None = None,
-                  state_bits: int | None = None, global_ops: str | None = None,
+                  offload: str | None | NotGiven = NOT_GIVEN, guard: bool | None = None,
+                  state_bits: int | None = None, global_ops: str | None | NotGiven = NOT_GIVEN,
                   microbatches: int | None = None, **kwargs: Any) -> MemoryReport:
   """Compiled memory of the optax step and of the fused steps, without running anything.
 

@@ -17,6 +17,7 @@ runs in no loop of the loss.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 from collections.abc import Iterator
 
@@ -29,6 +30,20 @@ from optfuse._base._errors import (
   OptionsError,
   UnknownModeError,
 )
+
+
+class NotGiven(enum.Enum):
+  """The default of the ``offload`` and ``global_ops`` keywords: ``None`` is a value of theirs
+  (nothing offloaded, no global ops), so an explicit ``None`` is an option given, and "not
+  given" needs a value of its own."""
+
+  NOT_GIVEN = "not given"
+
+  def __repr__(self) -> str:
+    return "NOT_GIVEN"
+
+
+NOT_GIVEN = NotGiven.NOT_GIVEN
 
 # What each option accepts.
 MODES = ("backward", "forward", "off")
@@ -53,7 +68,7 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
     not exist), ``OffloadError`` (an unknown ``offload``, an ``offload`` with ``global_ops``,
     ``offload="params"`` in mode "off", ``offload="auto"`` outside backward mode or with
     ``global_ops``), ``GuardError`` (a ``guard`` that is not a bool, ``True``
-    outside backward mode, with ``offload="params"`` or with microbatches),
+    outside backward mode, with ``offload="params"`` or ``"auto"``, or with microbatches),
     ``MicrobatchError`` (``microbatches`` is not a positive int or ``None``).
   """
   if mode not in MODES:
@@ -101,6 +116,14 @@ def refusal(mode, global_ops, offload, guard, microbatches=None) -> OptfuseError
         'a row at a time: out of its loop a stack would be read whole, on the device, which is '
         'what offload="params" avoids (and the guard\'s probes compile the params on the '
         'device). Use guard=False with offload="params", or guard=True with offload="state".')
+  if guard and offload == "auto":
+    return GuardError(
+        'guard=True may take a loop\'s leaves out of it, and offload="auto" plans which loop '
+        'stacks stream their params from host memory, read a row at a time only in their '
+        'loop (as with offload="params"): a tapped stack would be read whole, on the device, '
+        'and the plan\'s peaks are those of every loop fused. Use guard=False with '
+        'offload="auto" (the plan fits the step to its budget from compiled peaks), or '
+        'guard=True with offload="state".')
   if microbatches is not None and not is_positive_int(microbatches):
     return MicrobatchError(f"microbatches must be a positive int or None, got {microbatches!r}.")
   if guard and microbatches is not None and microbatches > 1:
@@ -141,7 +164,7 @@ class FuseOptions:
     OffloadError: ``offload`` is not ``None``, "state", "params" or "auto", or is given with
       ``global_ops``, or is "params" in mode "off", or "auto" outside backward mode.
     GuardError: ``guard`` is not a bool, or is ``True`` outside backward mode or with
-      ``offload="params"``.
+      ``offload="params"`` or ``"auto"``.
 
   Examples:
     >>> import optax, optfuse
@@ -197,21 +220,22 @@ class FuseOptions:
 
 
 def resolve(options: FuseOptions | None, *, mode: str | None = None,
-            global_ops: str | None = None, offload: str | None = None,
+            global_ops: str | None | NotGiven = NOT_GIVEN,
+            offload: str | None | NotGiven = NOT_GIVEN,
             guard: bool | None = None) -> FuseOptions:
   """The options an entry point runs with: ``options``, or those its keywords build.
 
-  A keyword left at ``None`` is not given: it takes the value of ``options``, or
-  ``FuseOptions``'s default.
+  ``mode`` and ``guard`` left at ``None``, and ``global_ops`` and ``offload`` left at
+  ``NOT_GIVEN``, are not given: they take the value of ``options``, or ``FuseOptions``'s
+  default. An explicit ``offload=None`` or ``global_ops=None`` is given, and checked against
+  ``options`` like any other value.
 
   Raises:
     OptionsError: ``options`` is not a ``FuseOptions``, or a keyword given contradicts it.
     UnknownModeError, OffloadError, GuardError: the keywords make a combination that does not
       run (``refusal``).
   """
-  given = {name: value for name, value in
-           dict(mode=mode, global_ops=global_ops, offload=offload, guard=guard).items()
-           if value is not None}
+  given = given_options(mode=mode, global_ops=global_ops, offload=offload, guard=guard)
   if options is None:
     return FuseOptions(**given)
   if not isinstance(options, FuseOptions):
@@ -223,3 +247,10 @@ def resolve(options: FuseOptions | None, *, mode: str | None = None,
         f"{named} contradicts options={options!r}: pass each option once, in options or as a "
         f"keyword (dataclasses.replace(options, {named}) is the options with them).")
   return options
+
+
+def given_options(**keywords) -> dict:
+  """The option keywords an entry point was given: those not left at ``NOT_GIVEN``, nor
+  ``mode`` or ``guard`` at ``None`` (not a value of theirs)."""
+  return {name: value for name, value in keywords.items()
+          if value is not NOT_GIVEN and not (value is None and name in ("mode", "guard"))}

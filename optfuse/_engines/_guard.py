@@ -9,7 +9,8 @@ with every fused leaf tapped (and with several fused scans, once per scan with t
 leaves tapped), and keeps the placement whose peak is lowest, the fused one on a tie. A loop
 given up says so in ``optfuse.describe(...).reasons``, with both peaks.
 
-The decision is cached per step and input shapes: a step traced again (another ``jax.jit`` of
+The decision is cached per step and inputs (their shapes, shardings and memory kinds) and the
+platform, device count and target traced for: a step traced again (another ``jax.jit`` of
 it, ``describe``) compiles nothing more.
 
 The guard wraps the backward engine (``GuardedEngine``, built by ``_fuse.make_engine``): it asks
@@ -43,13 +44,31 @@ def _hashable(x) -> bool:
   return True
 
 
+def _placed(x) -> tuple:
+  """An array leaf's sharding and memory kind, hashable: a traced leaf's from its aval (what
+  a jitted step sees of its input), a concrete array's or a ``ShapeDtypeStruct``'s from its own
+  sharding; ``None`` where it has none (a NumPy array, a struct given no sharding)."""
+  if isinstance(x, jax.core.Tracer):
+    aval = jax.typeof(x)
+    sharding, memory = getattr(aval, "sharding", None), getattr(aval, "memory_space", None)
+  else:
+    sharding = getattr(x, "sharding", None)
+    memory = getattr(sharding, "memory_kind", None)
+  return (sharding if _hashable(sharding) else repr(sharding)), str(memory)
+
+
 def shapes_key(params, state, args: tuple, kwargs: dict) -> Any:
-  """What the decision depends on: the inputs' tree structures, shapes and dtypes, the static
-  arguments, and the platform the step is traced for."""
+  """What the decision depends on: the inputs' tree structures, shapes, dtypes, shardings and
+  memory kinds, the static arguments, and the platform, device count and target the step is
+  traced for (the loop policy, ``_backends.loop_policy``, changes with the device count, and
+  the peaks with where each input lives). The target is keyed by value: an ``id`` may be
+  reused by another target once the first is gone."""
   leaves, treedef = jax.tree.flatten((params, state, args, kwargs))
-  described = tuple((jnp.shape(x), str(jnp.result_type(x))) if is_dynamic(x)
+  described = tuple((jnp.shape(x), str(jnp.result_type(x)), *_placed(x)) if is_dynamic(x)
                     else ("static", x if _hashable(x) else id(x)) for x in leaves)
-  return treedef, described, _backends.platform(), id(_backends.target())
+  target = _backends.target()
+  return (treedef, described, _backends.platform(), _backends.device_count(),
+          target and target.described())
 
 
 def peak(step: Callable, params, state, args: tuple, kwargs: dict, init: Callable) -> int:

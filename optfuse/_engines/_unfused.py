@@ -16,6 +16,7 @@ from optfuse._base import _checks, _leaves
 from optfuse._base._options import FuseOptions
 from optfuse._engines._engine import NOTHING_PLACED, PlacedStep, Step
 from optfuse._fusion import _accumulate
+from optfuse._plan._separable import update_needs_loss
 
 
 def _step(tx: optax.GradientTransformation, loss_fn: Callable, has_aux: bool) -> Step:
@@ -37,8 +38,11 @@ def _step(tx: optax.GradientTransformation, loss_fn: Callable, has_aux: bool) ->
       grads[i] = g
     grads = jax.tree.unflatten(treedef, grads)
     extra = {}
-    if isinstance(tx, optax.GradientTransformationExtraArgs):
-      # What line searches, Polyak step sizes and reduce_on_plateau read; others ignore it.
+    # Called as optax users call it, and as the fused modes do: a transform's update need not
+    # take the loss (a third party's may not accept it). Those that require it (line searches,
+    # Polyak step sizes, reduce_on_plateau) get value, grad and value_fn, which only mode off has.
+    if (isinstance(tx, optax.GradientTransformationExtraArgs)
+        and update_needs_loss(tx, grads, state, params)):
       value_fn = lambda p: _checks.check_loss(loss_fn(p, *args, **kwargs), has_aux)[0]
       extra = dict(value=loss, grad=grads, value_fn=value_fn)
     updates, new_state = tx.update(grads, state, params, **extra)

@@ -79,6 +79,23 @@ def trace_update(tx: optax.GradientTransformation, params, state):
   return closed, params_def, state_def, n, m, needs_loss.group(1)
 
 
+def update_needs_loss(tx: optax.GradientTransformation, grads, state, params) -> bool:
+  """Whether ``tx.update(grads, state, params)`` requires the loss (``value``, ``grad``,
+  ``value_fn``: line searches, Polyak step sizes, ``reduce_on_plateau``): its abstract trace
+  without them fails with the ``TypeError`` of a missing keyword-only argument. Nothing runs.
+
+  Raises:
+    TypeError: the update fails for another reason (its own error, raised as it is).
+  """
+  try:
+    jax.eval_shape(lambda g, s, p: tx.update(g, s, p), grads, state, params)
+  except TypeError as e:
+    if _MISSING_EXTRA_ARGS.search(str(e)) is None:
+      raise
+    return True
+  return False
+
+
 _TRANSFORM_FRAME = re.compile(r"([\w.]+)\.<locals>\.(update_fn|update)$")
 
 

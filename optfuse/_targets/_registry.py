@@ -152,6 +152,15 @@ class Target(NamedTuple):
     """A one-axis mesh ("devices") over every device of the target."""
     return Mesh(np.array(self.devices, dtype=object), ("devices",))
 
+  def described(self) -> tuple:
+    """The target by value, hashable: two resolutions of one target (a new ``Target`` each
+    ``compiling_for``) describe it alike, and an object's reused ``id`` never stands for
+    another target. A device is its platform, kind, id and coordinates (what the compiler
+    places by); compile-only devices compare by identity."""
+    devices = tuple((d.platform, d.device_kind, d.id, tuple(getattr(d, "coords", ()) or ()))
+                    for d in self.devices)
+    return self.name, self.platform, devices, self.memory_bytes, self.memory_source
+
 
 def targets() -> dict[str, str]:
   """The named compile targets: name -> the accelerator, in words.

@@ -15,7 +15,7 @@ from jax.extend import core as jcore
 import optfuse
 import optfuse.linen
 import optfuse.nnx
-from optfuse._analysis import _memory
+from optfuse._analysis import _auto, _memory
 from optfuse._base import _options
 from optfuse._engines import _guard
 from tests import models
@@ -341,3 +341,50 @@ def test_the_docs_table_of_what_runs_is_the_table():
     lines.append(f'| `"{mode}"` | ' + " | ".join(_docs_cell(mode, o, v) for o, v in OTHERS.items())
                  + " |")
   assert "\n".join(lines) in (DOCS / "modes.md").read_text()
+
+
+def test_offload_auto_with_the_guard_is_refused_up_front_naming_both():
+  # The planner would otherwise build FuseOptions(offload="params", guard=True) and raise an
+  # error about options the user never gave.
+  with pytest.raises(optfuse.GuardError, match=r'offload="auto".*Use guard=False'):
+    optfuse.fuse(LION, offload="auto", guard=True)
+  with pytest.raises(optfuse.GuardError, match=r'offload="auto"'):
+    optfuse.FuseOptions(offload="auto", guard=True)
+
+
+@pytest.mark.parametrize("combo", RUNS, ids=map(_id, RUNS))
+def test_every_combination_the_table_accepts_builds_traces_and_plans_a_step(combo, monkeypatch):
+  # The memory guard's decision stands in for its compiles: what is built, not the guard.
+  monkeypatch.setattr(_guard, "decide", lambda sites, peak_of: {})
+  options, microbatches = optfuse.FuseOptions(**_options_of(combo)), combo["microbatches"]
+  fx = optfuse.fuse(_tx(options), options=options)
+  params, batch = models.stacked_params(), _batch()
+  if options.offload == "params":  # the loop stacks in host memory, where the step keeps them
+    params = optfuse.params_to_host(fx, models.scanned_loss, params, *batch)
+  step = fx.value_and_update(models.scanned_loss, microbatches=microbatches)
+  loss, new_params, _ = jax.eval_shape(step, params, fx.init(params), *batch)
+  assert loss.shape == () and jax.tree.structure(new_params) == jax.tree.structure(params)
+  if options.offload == "auto":
+    # What the planner reads first (plan_offload compiles only for an accelerator's compiler).
+    leaves = _auto._leaves(fx, models.scanned_loss, params, batch, {})
+    assert {leaf.path for leaf in leaves if leaf.in_loop} == {"['layers']['b']",
+                                                              "['layers']['w']"}
+
+
+def test_an_explicit_none_is_an_option_given_and_a_keyword_left_out_is_not():
+  on_host = optfuse.FuseOptions(offload="state")
+  assert optfuse.fuse(LION, options=on_host).offload == "state"  # nothing given beside it
+  assert optfuse.fuse(LION, offload=None).offload is None
+  assert optfuse.fuse(LION, global_ops=None).global_ops is None
+  # An explicit None contradicts the options' value, like any other value given twice.
+  with pytest.raises(optfuse.OptionsError, match=r"offload=None contradicts options="):
+    optfuse.fuse(LION, offload=None, options=on_host)
+  with pytest.raises(optfuse.OptionsError, match=r"global_ops=None contradicts options="):
+    optfuse.fuse(LION, global_ops=None, options=optfuse.FuseOptions(global_ops="two_pass"))
+  with pytest.raises(optfuse.OptionsError, match=r"offload=None contradicts options="):
+    optfuse.memory_report(models.scanned_loss, LION, models.stacked_params(), *_batch(),
+                          offload=None, options=on_host)
+  state = optfuse.linen.TrainState.create(apply_fn=None, params=models.stacked_params(), tx=LION,
+                                          offload="state")
+  with pytest.raises(optfuse.OptionsError, match="the state was created with"):
+    optfuse.train_step(models.scanned_loss, offload=None)(state, *_batch())

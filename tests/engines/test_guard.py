@@ -1,6 +1,8 @@
 """The memory guard (``optfuse.fuse(tx, guard=True)``): a fused loop is kept only where the
 compiled step peaks no higher with it than with its leaves tapped, decided once per input
-shapes, and the step still trains exactly like optax."""
+shapes, and the step still trains like optax (to the suite's criterion)."""
+
+import contextlib
 
 import chex
 import jax
@@ -8,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optfuse
 from optfuse._engines import _guard
+from optfuse._targets import _backends, _registry
 from tests.models import run_optax, run_steps
 
 L, D, B = 6, 16, 4
@@ -152,3 +157,83 @@ def test_a_loss_that_closes_over_a_traced_value_is_guarded_too():
   doubled = lambda p, x, y: 2.0 * _stack_loss(p, x, y)
   _, want_params, _ = run_optax(TX, params, batches, 1, loss_fn=doubled)
   chex.assert_trees_all_close(new_params, want_params, **TOL)
+
+
+# The decision is cached under ``shapes_key``: whatever changes the loop policy or the peaks the
+# guard compares must change the key, or a step traced anew reuses a decision made for other
+# inputs. Each test below changes one thing alone.
+
+def _key(*batch):
+  params = _params()
+  return _guard.shapes_key(params, TX.init(params), batch, {})
+
+
+@contextlib.contextmanager
+def _inputs_placed_on(devices):
+  """Traces as if the step's inputs were placed on a mesh of ``devices`` CPU devices."""
+  token = _backends._INPUTS.set(_backends.Placement("cpu", devices))
+  try:
+    yield
+  finally:
+    _backends._INPUTS.reset(token)
+
+
+def test_the_decision_is_keyed_on_the_device_count_the_loop_policy_reads():
+  batch = _batches()[0]
+  with _inputs_placed_on(1):
+    one, one_policy = _key(*batch), _backends.loop_policy()
+  with _inputs_placed_on(8):
+    eight, eight_policy = _key(*batch), _backends.loop_policy()
+  assert one_policy != eight_policy
+  assert one != eight
+
+
+def test_the_decision_is_keyed_on_each_inputs_sharding():
+  x, y = _batches()[0]
+  mesh = jax.make_mesh((1,), ("data",))
+  sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+  assert _key(x, y) != _key(sharded, y)
+  assert _key(sharded, y) == _key(jax.device_put(x, NamedSharding(mesh, P("data"))), y)
+  struct = lambda spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+  assert _key(struct(P()), y) != _key(struct(P("data")), y)
+
+
+def test_the_decision_is_keyed_on_each_inputs_memory_kind():
+  x, y = _batches()[0]
+  on_device = x.sharding.with_memory_kind("device")
+  on_host = jax.device_put(x, on_device.with_memory_kind("pinned_host"))
+  assert _key(jax.device_put(x, on_device), y) != _key(on_host, y)
+  # Inside a jitted step the memory kind is the aval's; its sharding is the same for both.
+  traced = []
+  keyed = jax.jit(lambda x: traced.append(_key(x, y)) or x)
+  keyed(jax.device_put(x, on_device))
+  keyed(on_host)
+  assert len(traced) == 2 and traced[0] != traced[1]
+
+
+def test_the_decision_is_keyed_on_the_target_by_value_not_by_id():
+  batch = _batches()[0]
+  keys = []
+  for _ in range(2):  # a new, equal Target each time
+    with optfuse.compiling_for(jax.devices()):
+      keys.append(_key(*batch))
+  assert keys[0] == keys[1]
+  other = _registry.resolve(jax.devices())._replace(memory_bytes=1 << 30)
+  with _backends.lowering_for(other):
+    assert _key(*batch) != keys[0]
+
+
+def test_the_guard_decides_again_for_inputs_placed_otherwise(monkeypatch):
+  calls = []
+  real = _guard.peak
+  monkeypatch.setattr(_guard, "peak", lambda *a: calls.append(1) or real(*a))
+  fx = optfuse.fuse(TX, guard=True)
+  params, ((x, y),) = _params(), _batches()
+  step = jax.jit(fx.value_and_update(_stack_loss))
+  step(params, fx.init(params), x, y)
+  assert len(calls) == 2
+  # Replicated over a mesh of one device: the same bytes, placed otherwise.
+  on_mesh = NamedSharding(jax.make_mesh((1,), ("data",)), P())
+  params, x, y = jax.device_put((params, x, y), on_mesh)
+  step(params, jax.device_put(fx.init(params), on_mesh), x, y)
+  assert len(calls) == 4

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import optfuse
-from tests import models
+from tests import criteria, models
 
 LR = 1e-2
 
@@ -131,11 +131,12 @@ def _linear_regression_loss(params, x, y):
   return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
 
 
-@pytest.mark.parametrize("name", ["clip_by_global_norm", "polyak_sgd", "lbfgs"])
+@pytest.mark.parametrize("name",
+                         ["clip_by_global_norm", "polyak_sgd", "lbfgs", "reduce_on_plateau"])
 def test_off_mode_runs_what_backward_refuses_like_optax(name):
-  # mode="off" passes value, grad and value_fn to tx.update, so the transforms that need the
-  # loss run too. A linear regression keeps lbfgs's line search cheap to compile. Same float32
-  # reasoning and tolerances as test_backward_equivalence.
+  # mode="off" passes value, grad and value_fn to a tx.update that requires them, so the
+  # transforms that need the loss run too. A linear regression keeps lbfgs's line search cheap
+  # to compile. Same float32 reasoning and tolerances as test_backward_equivalence.
   make_tx, _ = NON_SEPARABLE[name]
   k1, k2 = jax.random.split(jax.random.PRNGKey(0))
   params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros((2,))}
@@ -148,3 +149,32 @@ def test_off_mode_runs_what_backward_refuses_like_optax(name):
   chex.assert_trees_all_equal_structs(got, want)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
   assert got[0][-1] < 0.5 * got[0][0]  # it trains
+
+
+def _sgd_without_loss_args(learning_rate):
+  """A third party's ``GradientTransformationExtraArgs`` whose update takes no loss: Python
+  raises ``TypeError`` if it is given ``value``, ``grad`` or ``value_fn``, as plain optax code
+  (``tx.update(grads, state, params)``) never gives them."""
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda g: -learning_rate * g, updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("mode", ["backward", "forward", "off"])
+def test_every_mode_calls_an_update_that_takes_no_loss_as_optax_users_do(mode):
+  params, batches = models.stacked_params(), models.tied_lm_batches()
+  tx = _sgd_without_loss_args(LR)
+  want = models.run_optax(tx, params, batches, 3, loss_fn=models.scanned_loss)
+  got = models.run_fused(tx, mode, params, batches, 3, loss_fn=models.scanned_loss)
+  # The losses of every step: forward mode's params and state hold an update still pending.
+  criteria.assert_matches_optax(got[0], want[0])
+
+
+def test_memory_report_compiles_the_optax_row_of_an_update_that_takes_no_loss():
+  params, batch = models.stacked_params(), models.tied_lm_batches()[0]
+  report = optfuse.memory_report(models.scanned_loss, _sgd_without_loss_args(LR), params, *batch)
+  assert "off" not in report.unavailable
+  assert report["off"]["peak_bytes"] > 0

@@ -6,8 +6,8 @@ checks, for every optimizer it names, plain and in 8-bit form, that ``describe``
 scanned model's stacked leaves in the loop: a name added to the page without a case here fails,
 and so does an optimizer whose placement changes. That each one trains like optax is checked
 elsewhere (``test_backward_equivalence.py``, 50 steps each, plain forms; the low-bit forms the
-page names as trained against the unfused low-bit step, in ``test_low_bit_fusion.py``,
-``test_low_bit.py`` and ``test_muon.py``).
+page names as trained against the unfused low-bit step, in ``test_low_bit_fusion.py`` and
+``test_muon.py``): the page claims training for those only, which is checked here too.
 """
 
 import re
@@ -18,6 +18,7 @@ import pytest
 import optfuse
 from tests import models
 from tests.engines import test_backward_equivalence
+from tests.low_bit import test_low_bit_fusion
 
 PAGE = Path(__file__).parents[2] / "docs" / "modes.md"
 
@@ -39,6 +40,23 @@ def _elementwise_row() -> list[str]:
             if line.startswith("| sgd,") and "elementwise" in line]
   names = row.split("|")[1].split(", their")[0]
   return [name.strip().strip("`") for name in names.split(",")]
+
+
+def _low_bit_trained() -> list[str]:
+  """The low-bit forms the table's first row says are trained, in the order it names them."""
+  (row,) = [line for line in PAGE.read_text().splitlines()
+            if line.startswith("| sgd,") and "elementwise" in line]
+  found = re.search(r"low-bit forms trained against the unfused low-bit step: ([^(]+) \(", row)
+  return [name.strip() for name in found.group(1).split(",")]
+
+
+def test_the_page_names_as_trained_only_the_low_bit_forms_that_are():
+  # test_low_bit_fusion's cases, as "adamw_8bit" and "sgd_momentum_4bit": the optimizer's
+  # name is the case's without its bits (and sgd's momentum).
+  trained = {re.sub(r"(_momentum)?_\d+bit$", "", case) for case in test_low_bit_fusion.INNER}
+  assert sorted(_low_bit_trained()) == sorted(trained)
+  assert set(_low_bit_trained()) < set(ELEMENTWISE)
+  assert "the other low-bit forms: quantization tested, training not" in PAGE.read_text()
 
 
 def test_the_page_names_exactly_the_optimizers_checked_here():
