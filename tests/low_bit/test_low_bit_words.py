@@ -119,14 +119,16 @@ def reference(optimizer: str):
   return p, s
 
 
+def _fuse(optimizer: str, mode: str, offload: str | None) -> optfuse.FusedTransformation:
+  if mode == "two_pass":
+    return optfuse.fuse(low_bit_tx(optimizer), mode="backward", global_ops="two_pass")
+  return optfuse.fuse(low_bit_tx(optimizer), mode=mode, offload=offload)
+
+
 def fused(optimizer: str, mode: str, offload: str | None = None,
           microbatches: int | None = None):
   """The fused run from the crafted state, as optax's ``(params, state)``."""
-  tx = low_bit_tx(optimizer)
-  if mode == "two_pass":
-    fx = optfuse.fuse(tx, mode="backward", global_ops="two_pass")
-  else:
-    fx = optfuse.fuse(tx, mode=mode, offload=offload)
+  fx = _fuse(optimizer, mode, offload)
   params, batch = _params(), _batch()
   p = optfuse.params_to_host(fx, linear_loss, params, *batch) if offload == "params" else params
   s = crafted(fx.init(_params()), _bits(optimizer))
@@ -235,12 +237,13 @@ def test_the_run_check_and_the_program_check_reject_an_add_on_the_words(monkeypa
 
 
 def _compiled_text(optimizer: str, mode: str, offload: str | None = None,
-                   target: str | None = None) -> str:
-  fx = optfuse.fuse(low_bit_tx(optimizer), mode=mode, offload=offload)
+                   microbatches: int | None = None, target: str | None = None) -> str:
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _params())
-  batch = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _batch())
+  batch = tuple(jax.ShapeDtypeStruct((x.shape[0] * (microbatches or 1), *x.shape[1:]), x.dtype)
+                for x in _batch())
   resolved = _registry.resolve(target)
-  traced = _memory.trace_step(fx, linear_loss, params, batch, target=resolved)
+  traced = _memory.trace_step(_fuse(optimizer, mode, offload), linear_loss, params, batch,
+                              target=resolved, microbatches=microbatches)
   with _memory.on_target(resolved):
     return traced.lower().compile().as_text()
 
@@ -255,28 +258,31 @@ def assert_words_only_move(hlo: str) -> None:
   assert walk.to_integer and len(walk.outputs) == 4, walk
 
 
-@pytest.mark.parametrize("mode,offload", [("backward", None), ("forward", None),
-                                          ("backward", "state")])
-def test_xla_cpus_compiled_step_only_moves_the_code_words(mode, offload):
-  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload))
+# (mode, offload, microbatches): the steps whose programs are walked.
+STEPS_WALKED = [("backward", None, None), ("forward", None, None), ("backward", "state", None),
+                ("forward", "state", None), ("two_pass", None, None), ("backward", "params", None),
+                ("backward", None, 2), ("forward", None, 2)]
+CPU_WALKED = [*STEPS_WALKED[:3], *(pytest.param(*case, marks=pytest.mark.slow)
+                                   for case in STEPS_WALKED[3:])]
 
 
-TARGET_CASES = [("backward", None), ("forward", None), ("backward", "state"),
-                ("forward", "state")]
+@pytest.mark.parametrize("mode,offload,microbatches", CPU_WALKED)
+def test_xla_cpus_compiled_step_only_moves_the_code_words(mode, offload, microbatches):
+  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload, microbatches))
 
 
 @pytest.mark.targets
 @needs_tpu
-@pytest.mark.parametrize("mode,offload", TARGET_CASES)
-def test_the_tpu_compilers_step_only_moves_the_code_words(mode, offload):
-  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload, "tpu-v5e"))
+@pytest.mark.parametrize("mode,offload,microbatches", STEPS_WALKED)
+def test_the_tpu_compilers_step_only_moves_the_code_words(mode, offload, microbatches):
+  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload, microbatches, "tpu-v5e"))
 
 
 @pytest.mark.targets
 @needs_gpu
-@pytest.mark.parametrize("mode,offload", TARGET_CASES)
-def test_the_gpu_compilers_step_only_moves_the_code_words(mode, offload):
-  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload, "h100"))
+@pytest.mark.parametrize("mode,offload,microbatches", STEPS_WALKED)
+def test_the_gpu_compilers_step_only_moves_the_code_words(mode, offload, microbatches):
+  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload, microbatches, "h100"))
 
 
 @pytest.mark.targets
