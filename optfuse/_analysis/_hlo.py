@@ -32,7 +32,7 @@ class Instruction(NamedTuple):
     operands: the names of its operands, in order.
     attributes: the text after its operand list.
     root: whether it is its computation's ``ROOT``.
-    number: a ``parameter``'s number (else ``None``).
+    literal: a ``parameter``'s number or a ``constant``'s value, as written (else empty).
   """
 
   name: str
@@ -41,7 +41,12 @@ class Instruction(NamedTuple):
   operands: tuple[str, ...]
   attributes: str
   root: bool
-  number: int | None = None
+  literal: str = ""
+
+  @property
+  def number(self) -> int | None:
+    """A ``parameter``'s number."""
+    return int(self.literal) if self.opcode == "parameter" else None
 
   def callees(self) -> tuple[str, ...]:
     """The computations it calls (a fusion's, a loop's body and condition, the branches...)."""
@@ -49,6 +54,11 @@ class Instruction(NamedTuple):
     for branches in _BRANCHES.findall(self.attributes):
       found += [_NAME.match(b.strip()).group(1) for b in branches.split(",") if b.strip()]
     return tuple(found)
+
+  def callee(self, role: str) -> str | None:
+    """The computation it calls as ``role``: ``body``, ``condition``, ``calls``..."""
+    found = re.search(rf"\b{role}=%?([\w.\-]+)", self.attributes)
+    return found.group(1) if found else None
 
   def index(self) -> int | None:
     """A ``get-tuple-element``'s index."""
@@ -65,6 +75,13 @@ def dtype(leaf_type: str) -> str:
   """The element type of a leaf type string: ``f32``, ``u32``, ``pred``..."""
   found = _DTYPE.match(leaf_type)
   return found.group(1) if found else leaf_type
+
+
+def leaf_types(type_: str | tuple) -> list[str]:
+  """The leaf type strings of a result type, in order (a tuple's nested ones flattened)."""
+  if isinstance(type_, str):
+    return [type_]
+  return [leaf for t in type_ for leaf in leaf_types(t)]
 
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
@@ -115,7 +132,7 @@ def parse_instruction(line: str) -> Instruction | None:
     return None
   end = _closing("(" + rest, 0) - 1
   operands_text, attributes = rest[:end], rest[end + 1:]
-  number = int(operands_text) if opcode == "parameter" else None
+  literal = operands_text if opcode in ("parameter", "constant") else ""
   if opcode in ("parameter", "constant"):
     operands: tuple[str, ...] = ()
   else:
@@ -124,7 +141,7 @@ def parse_instruction(line: str) -> Instruction | None:
     operands = tuple(_NAME.fullmatch(part.split()[-1]).group(1)
                      for part in _split_top(_COMMENT.sub("", operands_text)))
   return Instruction(name.lstrip("%"), parse_type(type_text), opcode, operands,
-                     attributes, root, number)
+                     attributes, root, literal)
 
 
 def computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]:

@@ -150,7 +150,7 @@ class _Walk:
         callees = i.callees()
         if computation not in callees:
           continue
-        if i.opcode == "while" and computation == _callee(i, "body"):
+        if i.opcode == "while" and computation == i.callee("body"):
           self.holds(c, i.name, path)
           self.into(computation, 0, path)  # the next iteration's state
         elif i.opcode in CALLS or i.opcode == "conditional":
@@ -223,12 +223,6 @@ class _Walk:
 
   def read(self, computation: str, user: _hlo.Instruction, k: int) -> None:
     self.reads.append(WordRead(computation, user.name, user.opcode, k, user.op_name()))
-
-
-def _callee(instruction: _hlo.Instruction, role: str) -> str | None:
-  found = [a.split("=", 1)[1].lstrip("%") for a in instruction.attributes.split(", ")
-           if a.startswith(f"{role}=")]
-  return found[0] if found else None
 
 
 def _custom_call_target(instruction: _hlo.Instruction) -> str:
