@@ -205,30 +205,35 @@ def test_denormal_and_nan_code_words_train_bit_for_bit_like_the_unfused_transfor
   assert_same_state_bit_for_bit_and_params(got, reference(optimizer))
 
 
-def add_zero_to_new_state(monkeypatch) -> None:
-  """Injects an add of a zero computed at run time on every new state slot of the fused
-  backward step (at its taps and in its loops): what a cotangent sum would do to the words."""
+def add_zero_to_state(monkeypatch, which: str) -> None:
+  """Injects an add of a zero computed at run time on every ``which`` ("old": read, "new":
+  written) state slot of the fused backward step, at its taps and in its loops: what a
+  cotangent sum, or a select folded into arithmetic, would do to the words."""
   apply, row_update = _fused_step.LeafUpdater.apply, _fused_step.LeafUpdater.row_update
 
-  def plus_zero(slots, grad):
+  def plus_zero(slots, grad, when):
+    if when != which:
+      return slots
     zero = jnp.zeros((), jnp.float32) * jnp.ravel(grad)[0]
     return tuple(s + zero.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s
                  for s in slots)
 
   def faulty_apply(self, i, grad, param, slots, readonly):
-    new_param, new_slots = apply(self, i, grad, param, slots, readonly)
-    return new_param, plus_zero(new_slots, grad)
+    new_param, new_slots = apply(self, i, grad, param, plus_zero(slots, grad, "old"), readonly)
+    return new_param, plus_zero(new_slots, grad, "new")
 
-  def faulty_row_update(self, i, grad_row, *args, **kwargs):
-    update, new_slots = row_update(self, i, grad_row, *args, **kwargs)
-    return update, plus_zero(new_slots, grad_row)
+  def faulty_row_update(self, i, grad_row, param_row, slot_rows, *args, **kwargs):
+    update, new_slots = row_update(self, i, grad_row, param_row,
+                                   plus_zero(slot_rows, grad_row, "old"), *args, **kwargs)
+    return update, plus_zero(new_slots, grad_row, "new")
 
   monkeypatch.setattr(_fused_step.LeafUpdater, "apply", faulty_apply)
   monkeypatch.setattr(_fused_step.LeafUpdater, "row_update", faulty_row_update)
 
 
-def test_the_run_check_and_the_program_check_reject_an_add_on_the_words(monkeypatch):
-  add_zero_to_new_state(monkeypatch)
+@pytest.mark.parametrize("which", ["new", "old"])
+def test_the_run_check_and_the_program_check_reject_an_add_on_the_words(monkeypatch, which):
+  add_zero_to_state(monkeypatch, which)
   with pytest.raises(AssertionError, match="words differ"):
     assert_same_state_bit_for_bit_and_params(fused("adamw_8bit", "backward"),
                                              reference("adamw_8bit"))
@@ -290,6 +295,6 @@ def test_the_gpu_compilers_step_only_moves_the_code_words(mode, offload, microba
                                     pytest.param("h100", marks=needs_gpu)])
 def test_the_program_check_finds_an_add_on_the_words_in_the_target_compilers_step(
     monkeypatch, target):
-  add_zero_to_new_state(monkeypatch)
+  add_zero_to_state(monkeypatch, "new")
   walk = _words.word_readers(_compiled_text("adamw_8bit", "backward", target=target))
   assert "add" in {r.opcode for r in walk.reads}, walk.reads
