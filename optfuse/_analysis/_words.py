@@ -9,6 +9,14 @@ follows, through the optimized HLO, every value that holds words (the step's wor
 named by their argument path, and each bitcast of integers to float32, the new words
 ``_blocks._pack`` makes) through tuples, loops, branches, calls and fusions, until it is
 bitcast to an integer type or leaves the program, and lists every op that reads one on the way.
+
+The walk errs towards listing: an op it does not know as a move is a read (a ``reduce``, a
+``scatter``, a ``sort``, a custom call other than a placement); a computation called from
+several places passes words out to every caller; a loop's result holds what its initial state
+held (no iteration may run). It does not judge ``select`` predicates: a select is a move, and
+the ones that may put a non-word in place of words are listed apart. A word input is found by
+its argument path (the entry parameter's ``op_name``, which JAX sets), so a program lowered
+from other arguments needs its own ``is_words``.
 """
 
 from __future__ import annotations

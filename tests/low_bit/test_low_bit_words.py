@@ -263,31 +263,41 @@ def assert_words_only_move(hlo: str) -> None:
   assert walk.to_integer and len(walk.outputs) == 4, walk
 
 
-# (mode, offload, microbatches): the steps whose programs are walked.
+# (mode, offload, microbatches): the steps whose programs are walked, each for 8-bit AdamW and,
+# under -m slow, 4-bit AdamW.
 STEPS_WALKED = [("backward", None, None), ("forward", None, None), ("backward", "state", None),
                 ("forward", "state", None), ("two_pass", None, None), ("backward", "params", None),
                 ("backward", None, 2), ("forward", None, 2)]
-CPU_WALKED = [*STEPS_WALKED[:3], *(pytest.param(*case, marks=pytest.mark.slow)
-                                   for case in STEPS_WALKED[3:])]
 
 
-@pytest.mark.parametrize("mode,offload,microbatches", CPU_WALKED)
-def test_xla_cpus_compiled_step_only_moves_the_code_words(mode, offload, microbatches):
-  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload, microbatches))
+def _walked(fast: int) -> list:
+  """The walked steps, the first ``fast`` of 8-bit AdamW's unmarked, the others slow."""
+  cases = [(optimizer, *step) for optimizer in ("adamw_8bit", "adamw_4bit")
+           for step in STEPS_WALKED]
+  return [pytest.param(*case, marks=() if k < fast else pytest.mark.slow)
+          for k, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("optimizer,mode,offload,microbatches", _walked(3))
+def test_xla_cpus_compiled_step_only_moves_the_code_words(optimizer, mode, offload,
+                                                          microbatches):
+  assert_words_only_move(_compiled_text(optimizer, mode, offload, microbatches))
 
 
 @pytest.mark.targets
 @needs_tpu
-@pytest.mark.parametrize("mode,offload,microbatches", STEPS_WALKED)
-def test_the_tpu_compilers_step_only_moves_the_code_words(mode, offload, microbatches):
-  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload, microbatches, "tpu-v5e"))
+@pytest.mark.parametrize("optimizer,mode,offload,microbatches", _walked(len(STEPS_WALKED)))
+def test_the_tpu_compilers_step_only_moves_the_code_words(optimizer, mode, offload,
+                                                          microbatches):
+  assert_words_only_move(_compiled_text(optimizer, mode, offload, microbatches, "tpu-v5e"))
 
 
 @pytest.mark.targets
 @needs_gpu
-@pytest.mark.parametrize("mode,offload,microbatches", STEPS_WALKED)
-def test_the_gpu_compilers_step_only_moves_the_code_words(mode, offload, microbatches):
-  assert_words_only_move(_compiled_text("adamw_8bit", mode, offload, microbatches, "h100"))
+@pytest.mark.parametrize("optimizer,mode,offload,microbatches", _walked(len(STEPS_WALKED)))
+def test_the_gpu_compilers_step_only_moves_the_code_words(optimizer, mode, offload,
+                                                          microbatches):
+  assert_words_only_move(_compiled_text(optimizer, mode, offload, microbatches, "h100"))
 
 
 @pytest.mark.targets
