@@ -28,6 +28,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from optfuse._analysis import _hlo
 from optfuse._jaxpr import _interpreter
 
 
@@ -101,11 +102,7 @@ def _walk(jaxpr, times: int, in_while: bool) -> tuple[int, int]:
 
 
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:[a-z]\d*[a-z]*)*)\[([\d,]*)\](\{[^}]*\})?")
-_CALLS = re.compile(r"\b(body|calls|to_apply)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"(?:true_computation|false_computation)=(%?[\w.\-]+)|"
-                       r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_OPERAND = re.compile(r"%([\w.\-]+)")
 # The HLO dtypes whose name is not NumPy's.
 _HLO_DTYPES = {"pred": "bool", "bf16": "bfloat16", "f16": "float16", "f32": "float32",
                "f64": "float64"}
@@ -123,69 +120,20 @@ def _dtype_bytes(dtype: str) -> float:
   return jax.numpy.dtype(name).itemsize
 
 
-def _arrays(text: str) -> list[_Array]:
-  """Each array type of an HLO type string, in order, with its bytes and whether its layout
+def _arrays(type_: str | tuple) -> list[_Array]:
+  """Each array type of an HLO result type, in order, with its bytes and whether its layout
   puts it in host memory (``S(5)``)."""
   return [_Array(int(math.prod(int(d) for d in dims.split(",") if d) * _dtype_bytes(dtype)),
                  "S(5)" in layout)
-          for dtype, dims, layout in _ARRAY.findall(text)]
+          for leaf in _hlo.leaf_types(type_) for dtype, dims, layout in _ARRAY.findall(leaf)]
 
 
-class _Instruction(NamedTuple):
-  name: str
-  type: str
-  opcode: str
-  rest: str
-
-
-def _instruction(line: str) -> _Instruction | None:
-  """An HLO instruction line split into its name, type, opcode and what follows the opcode."""
-  line = line.strip()
-  if line.startswith("ROOT "):
-    line = line[5:]
-  name, eq, rest = line.partition(" = ")
-  if not eq:
-    return None
-  if rest.startswith("("):  # a tuple type: up to its matching parenthesis
-    depth, end = 0, 0
-    for k, c in enumerate(rest):
-      depth += (c == "(") - (c == ")")
-      if depth == 0:
-        end = k
-        break
-    type_, rest = rest[:end + 1], rest[end + 1:].lstrip()
-  else:
-    type_, _, rest = rest.partition(" ")
-  opcode, _, rest = rest.partition("(")
-  return _Instruction(name.lstrip("%"), type_, opcode, rest)
-
-
-def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
-  """Computation name -> its instructions, and the entry computation's name."""
-  computations: dict[str, list[_Instruction]] = {}
-  entry, current = "", None
-  for line in hlo.splitlines():
-    if not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
-      head = line.split()
-      is_entry = head[0] == "ENTRY"
-      current = (head[1] if is_entry else head[0]).lstrip("%")
-      computations[current] = []
-      entry = current if is_entry else entry
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      instruction = _instruction(line)
-      if instruction is not None:
-        computations[current].append(instruction)
-  return computations, entry
-
-
-def _copies(instructions: list[_Instruction]) -> tuple[int, int]:
+def _copies(instructions: list[_hlo.Instruction]) -> tuple[int, int]:
   """The bytes the host copies of one computation move to the device and to the host: each
   copy's destination array, or the row a dynamic slice reads from or writes into a host
   buffer."""
   types = {i.name: i.type for i in instructions}
-  operand = lambda i, k: _arrays(types.get(_OPERAND.findall(i.rest)[k], ""))[0]
+  operand = lambda i, k: _arrays(types.get(i.operands[k], ""))[0]
   to_device = to_host = 0
   for i in instructions:
     arrays = _arrays(i.type)
@@ -211,40 +159,39 @@ def _copies(instructions: list[_Instruction]) -> tuple[int, int]:
   return to_device, to_host
 
 
-def _constant(name: str, table: dict[str, _Instruction]) -> int | None:
+def _constant(name: str, table: dict[str, _hlo.Instruction]) -> int | None:
   """The value of the integer constant ``name`` is, through copies and bitcasts."""
   while name in table and table[name].opcode in ("copy", "bitcast", "convert"):
-    name = _OPERAND.findall(table[name].rest)[0]
+    name = table[name].operands[0]
   i = table.get(name)
   if i is None or i.opcode != "constant":
     return None
-  value = i.rest.split(")")[0]
-  return int(value) if value.lstrip("-").isdigit() else None
+  return int(i.literal) if i.literal.lstrip("-").isdigit() else None
 
 
-def _trip_count(loop: _Instruction, parent: list[_Instruction],
-                computations: dict[str, list[_Instruction]]) -> int | None:
+def _trip_count(loop: _hlo.Instruction, parent: list[_hlo.Instruction],
+                computations: dict[str, list[_hlo.Instruction]]) -> int | None:
   """The trip count of a while loop: the compiler's ``known_trip_count`` where it says it, else
   read from a ``fori_loop``'s shape (a condition ``i < n`` for a tuple element ``i`` that starts
   at a constant, which the body adds one to); ``None`` when neither holds."""
-  found = _TRIP_COUNT.search(loop.rest)
+  found = _TRIP_COUNT.search(loop.attributes)
   if found is not None:
     return int(found.group(1))
-  condition = re.search(r"condition=%?([\w.\-]+)", loop.rest)
-  if condition is None or condition.group(1) not in computations:
+  condition = loop.callee("condition")
+  if condition not in computations:
     return None
-  cond = {i.name: i for i in computations[condition.group(1)]}
-  compare = [i for i in cond.values() if i.opcode == "compare" and "direction=LT" in i.rest]
+  cond = {i.name: i for i in computations[condition]}
+  compare = [i for i in cond.values() if i.opcode == "compare" and "direction=LT" in i.attributes]
   if len(compare) != 1:
     return None
-  counter, bound = _OPERAND.findall(compare[0].rest)[:2]
-  index = re.search(r"index=(\d+)", cond[counter].rest) if counter in cond else None
+  counter, bound = compare[0].operands[:2]
+  index = cond[counter].index() if counter in cond else None
   end = _constant(bound, cond)
   table = {i.name: i for i in parent}
-  init = _OPERAND.findall(loop.rest)[0]
+  init = loop.operands[0]
   if index is None or end is None or init not in table or table[init].opcode != "tuple":
     return None
-  start = _constant(_OPERAND.findall(table[init].rest)[int(index.group(1))], table)
+  start = _constant(table[init].operands[index], table)
   return None if start is None else end - start
 
 
@@ -262,7 +209,7 @@ def compiled_transfer_bytes(hlo: str) -> TransferBytes:
   Raises:
     ValueError: a host copy inside a while loop whose trip count the compiler does not know.
   """
-  computations, entry = _computations(hlo)
+  computations, entry = _hlo.computations(hlo)
   done: dict[str, tuple[int, int]] = {}
 
   def moved(name: str) -> tuple[int, int]:
@@ -271,17 +218,15 @@ def compiled_transfer_bytes(hlo: str) -> TransferBytes:
     to_device, to_host = _copies(computations[name])
     for i in computations[name]:
       if i.opcode == "conditional":  # one branch runs: the most any moves
-        branches = [b.strip().lstrip("%") for found in _BRANCHES.findall(i.rest)
-                    for b in ",".join(found).split(",") if b.strip()]
-        counts = [moved(b) for b in branches if b in computations]
+        counts = [moved(b) for b in i.callees() if b in computations]
         d, h = max(counts, key=sum, default=(0, 0))
         to_device, to_host = to_device + d, to_host + h
         continue
-      for kind, callee in _CALLS.findall(i.rest):
+      for callee in i.callees():
         if callee not in computations:
           continue
         d, h = moved(callee)
-        if kind == "body":
+        if i.opcode == "while" and callee == i.callee("body"):
           trips = _trip_count(i, computations[name], computations)
           if trips is None and (d or h):
             raise ValueError(f"a host copy in the while loop {i.name}, whose trip count "

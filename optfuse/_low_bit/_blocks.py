@@ -16,10 +16,17 @@ entry.
 
 The codes of a slot are packed into float32 *words* of bits (4 codes of 8 bits, or 8 of 4 bits,
 a word): optfuse's fused steps return a leaf's new state as the cotangents of its old state,
-which JAX allows only for floats. A word is read back with ``lax.bitcast_convert_type`` and no
-arithmetic ever touches it. As bytes (little-endian), the words are the anchors' layout: one
-code a byte for 8 bits, two a byte for 4 bits with the first in the high nibble, as torchao
-packs them.
+and JAX drops a cotangent returned for an integer input (``jax.vjp`` gives ``float0`` zeros in
+its place), so only a float carries it. Every bit pattern is a word of valid codes, denormals
+and NaNs included, which arithmetic would change (TPUs and XLA:CPU flush denormals, XLA:CPU
+quiets signalling NaNs): a word is made by ``_pack``'s bitcast of integers, read back by
+``_unpack``'s bitcast to integers, and between them only moved. Two tests show it
+(tests/low_bit/test_low_bit_words.py): ``optfuse._analysis._words`` finds no op that reads a
+word otherwise in the compiled steps of every mode, offload and microbatches for XLA:CPU, the
+TPU v5e and the H100 compilers; and state whose words are denormals and NaNs trains bit for
+bit like the unfused transformation on XLA:CPU. As bytes (little-endian), the words are the
+anchors' layout: one code a byte for 8 bits, two a byte for 4 bits with the first in the high
+nibble, as torchao packs them.
 """
 
 from __future__ import annotations
