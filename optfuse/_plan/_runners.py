@@ -11,6 +11,7 @@ from typing import Any
 
 import optax
 
+from optfuse._base._memory_spaces import like
 from optfuse._jaxpr import _interpreter, _rows
 from optfuse._plan._fields import slots_only
 
@@ -153,15 +154,19 @@ class Runners:
   def new_state(self, state, params, slots: dict[int, Sequence[Any]], global_state=()
                 ) -> list[Any]:
     """The flat new state: each leaf's new slots (``slots[i]``, leaves absent keep theirs),
-    the global stage's state and the shared state, computed from the old ``state``."""
+    the global stage's state and the shared state, computed from the old ``state``.
+
+    The global and shared leaves take the memory space of the leaves they replace: a leaf
+    computed from no state leaf (Adafactor's ``(1,)`` placeholder moments of a leaf it does not
+    factor) is made on the device, and ``offload="state"`` keeps it in host memory."""
     new = list(state)
     for i, leaf_slots in slots.items():
       for k, s in zip(self.groups[i].state_outs, leaf_slots):
         new[k] = s
     for k, s in zip(self.global_outs, global_state):
-      new[k] = s
+      new[k] = like(s, state[k])
     for k, s in zip(self.shared_outs, self.run_shared(state, params)):
-      new[k] = s
+      new[k] = like(s, state[k])
     return new
 
   def update(self, grads, state, params) -> tuple[list[Any], list[Any]]:

@@ -29,6 +29,9 @@ OPTIMIZERS = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.05),
     "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
     "lion": lambda: optax.lion(1e-3),
+    # Factored moments of another shape than their param's, and the (1,) placeholders of the
+    # leaves it does not factor, which the update makes anew on the device.
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
 }
 
 def _matrix(names: list[tuple], default: set[tuple]) -> list:
@@ -69,7 +72,7 @@ def test_init_puts_every_float_slot_in_host_memory_and_the_count_on_the_device()
 
 @pytest.mark.parametrize("model, optimizer", _matrix(
     [(m, o) for m in sorted(MODELS) for o in sorted(OPTIMIZERS)],
-    {("tied_lm", "adamw"), ("scanned", "adamw"), ("scanned", "lion")}))
+    {("tied_lm", "adamw"), ("scanned", "adamw"), ("scanned", "lion"), ("scanned", "adafactor")}))
 def test_backward_fusion_with_offloaded_state_trains_like_optax_over_30_steps(model, optimizer):
   params, batches, loss = MODELS[model]()
   tx = OPTIMIZERS[optimizer]()
