@@ -20,6 +20,12 @@ from optfuse._plan import _make, _row_checks
 from optfuse._targets import _inputs
 from optfuse._targets._compiled import format_bytes
 
+# What a reason adds where a stacked leaf's update mixes its rows: the layers of a stacked leaf
+# are its rows, and the per-layer form keeps them apart.
+PER_LAYER_HINT = ("; it mixes the layers of the stacked leaf: optfuse.per_layer(tx) applies the "
+                  "optimizer to each layer apart, as on the unrolled model (where a statistic "
+                  "per layer is meant)")
+
 
 class Placements(dict):
   """Leaf path -> where its update runs (a ``dict``), with the reasons of stacked leaves.
@@ -100,7 +106,9 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     whose ``reasons`` say, for every leaf a scan reads as its stacked input and that is not
     updated inside the loop, why (read twice, inside a ``while_loop``, the loop too short, given
     up by the memory guard (``fuse(..., guard=True)``, with both peaks), the
-    update mixes rows, microbatches...). Backward mode:
+    update mixes rows (the layers of the stacked leaf: the reason then names
+    ``optfuse.per_layer``, the form that applies the optimizer to each layer apart),
+    microbatches...). Backward mode:
     ``"loop"`` (row by row inside the backward loop of a scan, in place) or ``"tap"`` (in the
     backward pass once its whole gradient is complete). Forward mode: ``"loop"`` (row by row
     inside the forward loop of a scan, in place, just before the layer runs), ``"rows"`` (row
@@ -183,8 +191,8 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     where_params = {paths[i]: "host" if i in streamed else "device" for i in sorted(diff)}
     where_state = _state_memory(fx.tx, params, paths, diff, offload)
   return Placements({path: label(i) for i, path in enumerate(paths)},
-                    {paths[i]: why for i, why in reasons.items()
-                     if i in diff and placed.get(i) != "loop"},
+                    {paths[i]: why + (PER_LAYER_HINT if i in mixing else "")
+                     for i, why in reasons.items() if i in diff and placed.get(i) != "loop"},
                     where_state,
                     {paths[i]: why for i, why in warnings.items()},
                     where_params,

@@ -1,0 +1,223 @@
+"""``optfuse.per_layer``: an optimizer applied to each layer of a stacked leaf apart.
+
+On a scanned model, ``per_layer(tx)`` trains the stacked params exactly as plain optax ``tx``
+trains the same model unrolled (one leaf per layer): LAMB's and LARS's trust ratios, Adafactor's
+block RMS and Muon's matrices are taken per layer. Its update of row ``l`` reads only row ``l``,
+so backward fusion updates every stacked leaf inside its loop (``describe`` says "loop"). Plain
+``tx`` on the stacked leaves differs from the unrolled model where it takes a statistic of a
+whole leaf, and ``describe``'s reason for such a leaf names ``per_layer``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optfuse
+from tests import criteria, faults, models
+
+pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
+
+# Six layers: a loop shorter than 2 + slots rows is not worth updating row by row
+# (``RowChecks.min_rows``: four for AdamW's two slots), which would hide the loop this file checks.
+LAYERS, DIM, OUT, STEPS = 6, 16, 4, 20
+W, B, HEAD = "['layers']['w']", "['layers']['b']", "['head']"
+
+# id -> the inner optimizer; each takes a statistic of a whole leaf but AdamW (the control).
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "muon": lambda: optax.contrib.muon(1e-2),  # each layer's (d, d) matrix, b on AdamW
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+    "lars": lambda: optax.lars(1e-1),
+}
+# The optimizers whose update of a stacked leaf mixes its layers.
+WHOLE_LEAF = ("muon", "adafactor", "lamb", "lars")
+
+
+def stacked_params(layer_axis: int = 0) -> dict:
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  w = jax.random.normal(k[0], (LAYERS, DIM, DIM)) / np.sqrt(DIM)
+  return {"layers": {"w": jnp.moveaxis(w, 0, layer_axis),
+                     "b": 0.1 * jax.random.normal(k[1], (LAYERS, DIM))},
+          "head": jax.random.normal(k[2], (DIM, OUT)) / np.sqrt(DIM)}
+
+
+def scanned_loss(params, x, y, layer_axis: int = 0):
+  """A tanh MLP whose layers ``lax.scan`` reads from the stacked params, MSE."""
+  layers = {"w": jnp.moveaxis(params["layers"]["w"], layer_axis, 0), "b": params["layers"]["b"]}
+  h, _ = jax.lax.scan(lambda h, p: (jnp.tanh(h @ p["w"] + p["b"]), None), x, layers)
+  return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def unrolled_loss(params, x, y):
+  """The same model unrolled: a list of layers, each its own leaves, run by a Python loop."""
+  h = x
+  for p in params["layers"]:
+    h = jnp.tanh(h @ p["w"] + p["b"])
+  return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def unrolled(params) -> dict:
+  layers = params["layers"]
+  return {"layers": [{"w": layers["w"][i], "b": layers["b"][i]} for i in range(LAYERS)],
+          "head": params["head"]}
+
+
+def restacked(params) -> dict:
+  return {"layers": jax.tree.map(lambda *rows: jnp.stack(rows), *params["layers"]),
+          "head": params["head"]}
+
+
+def batches() -> list[tuple[jax.Array, jax.Array]]:
+  keys = jax.random.split(jax.random.PRNGKey(1), 6)
+  return [(jax.random.normal(keys[2 * t], (8, DIM)), jax.random.normal(keys[2 * t + 1], (8, OUT)))
+          for t in range(3)]
+
+
+def trajectory(step, params, state, steps: int = STEPS, jit: bool = True, flush=None) -> tuple:
+  """``(losses, params after each step)`` of ``steps`` calls of ``step``, jitted with donation
+  unless ``jit=False``; with ``flush(params, state) -> (params, state)`` (forward mode's pending
+  update applied), the params it gives."""
+  params, state = models.copy(params), models.copy(state)
+  if jit:
+    step = jax.jit(step, donate_argnums=(0, 1))
+  data, losses, after = batches(), [], []
+  for t in range(steps):
+    loss, params, state = step(params, state, *data[t % len(data)])
+    losses.append(loss)
+    done = params if flush is None else flush(params, state)[0]
+    after.append(jax.tree.map(np.array, done))  # a copy: the next step donates params
+  return jnp.stack(losses), after
+
+
+def fused_run(tx, mode: str = "backward", steps: int = STEPS, jit: bool = True) -> tuple:
+  fx = optfuse.fuse(tx, mode=mode)
+  params = stacked_params()
+  return trajectory(fx.value_and_update(scanned_loss), params, fx.init(params), steps, jit,
+                    jax.jit(fx.flush) if jit else fx.flush)
+
+
+def unrolled_run(tx, steps: int = STEPS) -> tuple:
+  """The reference: plain optax on the unrolled model, its params stacked again."""
+  params = unrolled(stacked_params())
+  losses, after = trajectory(models.optax_step(tx, unrolled_loss), params, tx.init(params), steps)
+  return losses, [restacked(p) for p in after]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_backward_fused_per_layer_trains_like_optax_on_the_unrolled_model_over_20_steps(name):
+  got = fused_run(optfuse.per_layer(OPTIMIZERS[name]()))
+  criteria.assert_matches_optax(got, unrolled_run(OPTIMIZERS[name]()))
+
+
+@pytest.mark.parametrize("mode", ["forward", "off"])
+@pytest.mark.parametrize("name", [
+    "lamb", *(pytest.param(n, marks=pytest.mark.slow) for n in OPTIMIZERS if n != "lamb")])
+def test_per_layer_in_forward_and_off_mode_trains_like_optax_on_the_unrolled_model(name, mode):
+  got = fused_run(optfuse.per_layer(OPTIMIZERS[name]()), mode)
+  criteria.assert_matches_optax(got, unrolled_run(OPTIMIZERS[name]()))
+
+
+def test_backward_fused_per_layer_without_jit_trains_like_optax_on_the_unrolled_model():
+  got = fused_run(optfuse.per_layer(optax.lamb(1e-2)), steps=2, jit=False)
+  criteria.assert_matches_optax(got, unrolled_run(optax.lamb(1e-2), steps=2))
+
+
+@pytest.mark.parametrize("name", WHOLE_LEAF)
+def test_plain_optimizer_on_the_stacked_leaves_is_not_the_unrolled_model(name):
+  """The control: without ``per_layer`` the statistic spans the layers, and the check fails."""
+  got = fused_run(OPTIMIZERS[name]())
+  distance, _ = criteria.matches_optax_distance(got, unrolled_run(OPTIMIZERS[name]()))
+  assert distance > criteria.REJECTED_BY
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_unrolled_model_check_rejects_a_learning_rate_1pct_off_and_a_layer_not_updated(name):
+  """Each fault fails the check that passes ``per_layer(tx)``, by at least ``REJECTED_BY``
+  times its tolerance. (Frozen step counts, the third fault of ``tests/faults.py``, show in the
+  state, which this check cannot compare: the per-layer state is not the unrolled model's. In
+  the params alone LAMB's trust ratio cancels most of their effect.)"""
+  criterion = criteria.Criterion(
+      fused=fused_run, tx=lambda: optfuse.per_layer(OPTIMIZERS[name]()),
+      reference=lambda: unrolled_run(OPTIMIZERS[name]()), check=criteria.assert_matches_optax,
+      distance=criteria.matches_optax_distance, stacked=lambda path: path.startswith("['layers']"))
+  found = faults.faults(criterion.stacked)
+  margins = criteria.margins(criterion, {k: found[k] for k in ("lr_1pct_off", "row_skipped")})
+  assert margins.pop("passing")[0] <= 1
+  for fault, (distance, _) in margins.items():
+    assert distance >= criteria.REJECTED_BY, (fault, distance)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_describe_puts_every_stacked_leaf_of_per_layer_in_its_loop(name):
+  where = optfuse.describe(optfuse.per_layer(OPTIMIZERS[name]()), scanned_loss,
+                           stacked_params(), *batches()[0])
+  assert (where[W], where[B], where[HEAD]) == ("loop", "loop", "tap"), where.table()
+  assert not where.reasons and not where.warnings, where.table()
+
+
+@pytest.mark.parametrize("name", ("adafactor", "lamb", "lars"))
+def test_describe_names_per_layer_where_a_whole_leaf_statistic_mixes_the_layers(name):
+  where = optfuse.describe(OPTIMIZERS[name](), scanned_loss, stacked_params(), *batches()[0])
+  for leaf in (W, B):
+    assert where[leaf] == "tap", where.table()
+    assert "its update mixes rows" in where.reasons[leaf], where.reasons
+    assert "optfuse.per_layer(tx) applies the optimizer to each layer apart" in (
+        where.reasons[leaf]), where.reasons
+
+
+def test_a_layer_axis_of_1_trains_like_the_unrolled_model_inside_the_loop():
+  """Flax Linen's ``nn.scan(variable_axes={"params": 1})`` form: w stacked on axis 1."""
+  tx = optfuse.per_layer(optax.lamb(1e-2), {"layers": {"w": 1, "b": 0}, "head": None})
+  loss = lambda p, x, y: scanned_loss(p, x, y, layer_axis=1)
+  params = stacked_params(layer_axis=1)
+  where = optfuse.describe(tx, loss, params, *batches()[0])
+  assert (where[W], where[B]) == ("loop", "loop"), where.table()
+  assert tx.init(params).stacks[0][0].mu["layers"]["w"].shape == (DIM, LAYERS, DIM)
+  fx = optfuse.fuse(tx)
+  losses, after = trajectory(fx.value_and_update(loss), params, fx.init(params))
+  after = [dict(p, layers=dict(p["layers"], w=np.moveaxis(p["layers"]["w"], 1, 0)))
+           for p in after]
+  criteria.assert_matches_optax((losses, after), unrolled_run(optax.lamb(1e-2)))
+
+
+def test_the_default_layer_axes_stack_the_leaves_under_layers_on_axis_0():
+  state = optfuse.per_layer(optax.adam(1e-2)).init(stacked_params())
+  (adam, _), rest = state.stacks[0], state.rest[0]
+  assert adam.count.shape == (LAYERS,)  # one step count per layer, all equal
+  assert adam.mu["layers"]["w"].shape == (LAYERS, DIM, DIM)
+  assert isinstance(adam.mu["head"], optax.MaskedNode)
+  assert rest.count.shape == () and rest.mu["head"].shape == (DIM, OUT)
+  assert isinstance(rest.mu["layers"]["w"], optax.MaskedNode)
+
+
+def test_stacks_of_different_lengths_get_one_state_each():
+  params = {"encoder": jnp.ones((3, 4, 4)), "decoder": jnp.ones((5, 4, 4))}
+  tx = optfuse.per_layer(optax.lamb(1e-2), layer_axes=0)
+  state = tx.init(params)
+  assert [s[0].count.shape for s in state.stacks] == [(3,), (5,)]
+  assert isinstance(state.rest, optax.EmptyState)
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+  want = optax.lamb(1e-2).update({"x": jnp.ones((4, 4))}, optax.lamb(1e-2).init(
+      {"x": jnp.ones((4, 4))}), {"x": jnp.ones((4, 4))})[0]["x"]
+  for leaf in updates.values():
+    criteria.assert_matches_optax(leaf, jnp.broadcast_to(want, leaf.shape))
+
+
+def test_layer_axes_may_be_a_function_of_the_params():
+  tx = optfuse.per_layer(optax.lamb(1e-2), lambda p: jax.tree.map(
+      lambda x: 0 if x.ndim >= 2 and x.shape[0] == LAYERS else None, p))
+  where = optfuse.describe(tx, scanned_loss, stacked_params(), *batches()[0])
+  assert (where[W], where[B]) == ("loop", "loop"), where.table()
+
+
+@pytest.mark.parametrize("layer_axes, match", [
+    ({"layers": 0}, "not a pytree prefix"),
+    ({"layers": {"w": 3, "b": 0}, "head": None}, "out of its range"),
+    ({"layers": "0", "head": None}, "an axis is an int"),
+])
+def test_layer_axes_that_do_not_fit_the_params_raise_layer_axes_error(layer_axes, match):
+  with pytest.raises(optfuse.LayerAxesError, match=match):
+    optfuse.per_layer(optax.adam(1e-2), layer_axes).init(stacked_params())
