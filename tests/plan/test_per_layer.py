@@ -31,9 +31,11 @@ OPTIMIZERS = {
     "adafactor": lambda: optax.adafactor(1e-2),
     "lamb": lambda: optax.lamb(1e-2),
     "lars": lambda: optax.lars(1e-1),
+    # Each layer's w projected by its own SVD, refreshed every 5 steps (b is not projected).
+    "galore": lambda: optax.contrib.galore(1e-2, rank=4, update_proj_gap=5),
 }
 # The optimizers whose update of a stacked leaf mixes its layers.
-WHOLE_LEAF = ("muon", "adafactor", "lamb", "lars")
+WHOLE_LEAF = ("muon", "adafactor", "lamb", "lars", "galore")
 
 
 def stacked_params(layer_axis: int = 0) -> dict:
