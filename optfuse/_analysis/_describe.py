@@ -15,7 +15,7 @@ from optfuse._base import _checks, _leaves, _memory_spaces
 from optfuse._base._errors import NonSeparableError, OptionsError
 from optfuse._base._options import FuseOptions
 from optfuse._engines import _engine
-from optfuse._optimizers import _muon_dims
+from optfuse._optimizers import _muon_dims, _per_layer
 from optfuse._plan import _make, _row_checks
 from optfuse._targets import _inputs
 from optfuse._targets._compiled import format_bytes
@@ -181,7 +181,8 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
   # The leaves a scan reads as its stacked input: those in a loop, and those with a reason.
   stacked = {i for i in diff if placed.get(i) == "loop" or i in reasons}
   mixing = {i for i, why in reasons.items() if why.startswith(_row_checks.MIXES_ROWS)}
-  warnings = _muon_dims.muon_warnings(fx.tx, params, stacked, mixing)
+  per_layer = _per_layer.applies_per_layer(jax.eval_shape(fx.tx.init, params))
+  warnings = _muon_dims.muon_warnings(fx.tx, params, stacked, mixing, per_layer)
   if fx.offload == "auto":
     where_params = {paths[i]: "host" if streams.get(paths[i]) == "params" else "device"
                     for i in sorted(diff)}

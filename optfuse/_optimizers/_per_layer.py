@@ -49,6 +49,13 @@ class PerLayerState(NamedTuple):
   rest: Any
 
 
+def applies_per_layer(state) -> bool:
+  """Whether an optimizer state holds a ``PerLayerState``: some of it runs under
+  ``per_layer``."""
+  is_state = lambda x: isinstance(x, PerLayerState)
+  return any(map(is_state, jax.tree.leaves(state, is_leaf=is_state)))
+
+
 def default_layer_axes(params) -> Any:
   """The default ``layer_axes``: axis 0 of every leaf of rank 1 or more under a key "layers"
   or "blocks", or a key starting with "Scan" (a Flax Linen ``nn.scan`` module); ``None``
@@ -81,9 +88,11 @@ def per_layer(tx: optax.GradientTransformation, layer_axes: LayerAxes = None
   across leaves (``clip_by_global_norm``) would be applied to each layer's leaves and to the
   other leaves apart, so chain it outside: ``optax.chain(optax.clip_by_global_norm(1.0),
   optfuse.per_layer(tx))``. Extra arguments of ``update`` reach every layer's update as they
-  are. For Muon, leave ``muon_weight_dimension_numbers`` to numbers of one layer (its default
-  takes each rank-2 layer as a matrix), not ``optfuse.stacked_muon_dims``, whose numbers are
-  those of the stacked leaves.
+  are. For Muon, give ``muon_weight_dimension_numbers`` as numbers of one layer's axes: its
+  default takes each rank-2 leaf of a layer as a matrix, and
+  ``functools.partial(optfuse.stacked_muon_dims, stacked=lambda names, leaf: False)`` numbers
+  leaves of higher rank too (attention's (d, heads, head_dim)); ``optfuse.stacked_muon_dims``
+  itself numbers the stacked leaves, which ``per_layer`` does not show Muon.
 
   Args:
     tx: the optax transformation applied to each layer.

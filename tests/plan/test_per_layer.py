@@ -8,6 +8,8 @@ so backward fusion updates every stacked leaf inside its loop (``describe`` says
 whole leaf, and ``describe``'s reason for such a leaf names ``per_layer``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 import optfuse
 from tests import criteria, faults, models
+from tests.engines import test_muon as decoder
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
@@ -223,3 +226,57 @@ def test_layer_axes_may_be_a_function_of_the_params():
 def test_layer_axes_that_do_not_fit_the_params_raise_layer_axes_error(layer_axes, match):
   with pytest.raises(optfuse.LayerAxesError, match=match):
     optfuse.per_layer(optax.adam(1e-2), layer_axes).init(stacked_params())
+
+
+# Muon under per_layer, on the scanned decoder of test_muon.py: attention's (d, heads, head_dim)
+# weights are rank 3 in each layer, which Muon's default leaves to AdamW; stacked_muon_dims with
+# no leaf stacked numbers one layer's axes (input first, heads and head_dim the output).
+ONE_LAYERS_DIMS = functools.partial(optfuse.stacked_muon_dims, stacked=lambda names, leaf: False)
+
+
+def _decoder_muon(dims=ONE_LAYERS_DIMS):
+  return optax.contrib.muon(decoder.LR, muon_weight_dimension_numbers=dims)
+
+
+def test_describe_puts_every_matrix_of_the_decoder_in_its_loop_under_per_layer_muon():
+  where = optfuse.describe(optfuse.per_layer(_decoder_muon()), decoder.decoder_loss,
+                           decoder.decoder_params(), *decoder._batches()[0])
+  assert all(where[path] == "loop" for path in where if path.startswith("['layers']")), (
+      where.table())
+  assert not where.reasons and not where.warnings, where.table()
+
+
+def test_describe_warns_of_per_layer_muon_leaving_a_layers_rank_3_leaf_to_adamw():
+  where = optfuse.describe(optfuse.per_layer(_decoder_muon(None)), decoder.decoder_loss,
+                           decoder.decoder_params(), *decoder._batches()[0])
+  for name in ("wq", "wk", "wv", "wo"):
+    warning = where.warnings[f"['layers']['{name}']"]
+    assert "AdamW fallback" in warning and "one layer's axes" in warning, warning
+    assert "stacked=lambda names, leaf: False" in warning, warning
+
+
+def _unrolled_decoder_loss(params, tokens, targets):
+  h = params["embed"][tokens]
+  for layer in params["layers"]:
+    h, _ = decoder._block(h, layer)
+  logits = decoder._rms(h, params["final_norm"]) @ params["head"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@pytest.mark.slow
+def test_per_layer_muon_trains_the_decoder_like_optax_on_the_unrolled_decoder_over_10_steps():
+  """And like optax's Muon on the stacked decoder with ``stacked_muon_dims``: the layer axis a
+  batch axis of each matrix is the same math."""
+  params, data = decoder.decoder_params(), decoder._batches()
+  layers = params["layers"]
+  count = len(jax.tree.leaves(layers)[0])
+  unrolled_params = dict(params, layers=[jax.tree.map(lambda x, i=i: x[i], layers)
+                                         for i in range(count)])
+  got = models.run_fused(optfuse.per_layer(_decoder_muon()), "backward", params, data, 10,
+                         decoder.decoder_loss)
+  want = models.run_optax(_decoder_muon(), unrolled_params, data, 10, _unrolled_decoder_loss)
+  stacked = dict(want[1], layers=jax.tree.map(lambda *rows: jnp.stack(rows), *want[1]["layers"]))
+  criteria.assert_matches_optax(got[:2], (want[0], stacked))
+  stacked_dims = _decoder_muon(optfuse.stacked_muon_dims)
+  criteria.assert_matches_optax(got[:2], models.run_optax(stacked_dims, params, data, 10,
+                                                          decoder.decoder_loss)[:2])
