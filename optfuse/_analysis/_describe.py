@@ -24,7 +24,8 @@ from optfuse._targets._compiled import format_bytes
 # are its rows, and the per-layer form keeps them apart.
 PER_LAYER_HINT = ("; it mixes the layers of the stacked leaf: optfuse.per_layer(tx) applies the "
                   "optimizer to each layer apart, as on the unrolled model (where a statistic "
-                  "per layer is meant)")
+                  "per layer is meant; its layer_axes must give this leaf the axis its scan "
+                  "reads as layers)")
 
 
 class Placements(dict):

@@ -10,6 +10,7 @@ whole leaf, and ``describe``'s reason for such a leaf names ``per_layer``.
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -280,3 +281,34 @@ def test_per_layer_muon_trains_the_decoder_like_optax_on_the_unrolled_decoder_ov
   stacked_dims = _decoder_muon(optfuse.stacked_muon_dims)
   criteria.assert_matches_optax(got[:2], models.run_optax(stacked_dims, params, data, 10,
                                                           decoder.decoder_loss)[:2])
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return jnp.tanh(nn.Dense(DIM)(x)), None
+
+
+class LinenStack(nn.Module):
+  """Flax Linen's ``nn.scan`` over six blocks, the layers of its params on ``layer_axis``."""
+  layer_axis: int = 0
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(Block, variable_axes={"params": self.layer_axis},
+                   split_rngs={"params": True}, length=LAYERS)
+    return nn.Dense(OUT)(scan()(x, None)[0])
+
+
+@pytest.mark.parametrize("layer_axis", [0, 1])
+def test_a_linen_scan_is_updated_per_layer_inside_its_loop(layer_axis):
+  """The default finds ``nn.scan``'s ``ScanBlock_0`` on axis 0; on axis 1 a prefix says so."""
+  model, (x, y) = LinenStack(layer_axis), batches()[0]
+  params = model.init(jax.random.PRNGKey(0), x)
+  layer_axes = None if layer_axis == 0 else {"params": {"ScanBlock_0": 1, "Dense_0": None}}
+  tx = optfuse.per_layer(optax.lamb(1e-2), layer_axes)
+  loss = lambda p, x, y: jnp.mean((model.apply(p, x) - y) ** 2)
+  where = optfuse.describe(tx, loss, params, x, y)
+  scanned = [path for path in where if "ScanBlock_0" in path]
+  assert scanned and all(where[path] == "loop" for path in scanned), where.table()
+  assert not where.reasons, where.table()
