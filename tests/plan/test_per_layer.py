@@ -139,16 +139,23 @@ def test_plain_optimizer_on_the_stacked_leaves_is_not_the_unrolled_model(name):
   assert distance > criteria.REJECTED_BY
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_the_unrolled_model_check_rejects_a_learning_rate_1pct_off_and_a_layer_not_updated(name):
-  """Each fault fails the check that passes ``per_layer(tx)``, by at least ``REJECTED_BY``
-  times its tolerance. (Frozen step counts, the third fault of ``tests/faults.py``, show in the
-  state, which this check cannot compare: the per-layer state is not the unrolled model's. In
-  the params alone LAMB's trust ratio cancels most of their effect.)"""
-  criterion = criteria.Criterion(
+def unrolled_criterion(name: str) -> criteria.Criterion:
+  """The check of ``per_layer(OPTIMIZERS[name]())`` against optax on the unrolled model, on the
+  losses and the params after each step (``python -m tests.margins`` prints its margins)."""
+  return criteria.Criterion(
       fused=fused_run, tx=lambda: optfuse.per_layer(OPTIMIZERS[name]()),
       reference=lambda: unrolled_run(OPTIMIZERS[name]()), check=criteria.assert_matches_optax,
       distance=criteria.matches_optax_distance, stacked=lambda path: path.startswith("['layers']"))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_unrolled_model_check_rejects_a_learning_rate_1pct_off_and_a_layer_not_updated(name):
+  """Each fault fails the check that passes ``per_layer(tx)``, by at least ``REJECTED_BY``
+  times its tolerance. Frozen step counts, the third fault of ``tests/faults.py``, show in the
+  state, which this check cannot compare (the per-layer state is not the unrolled model's); in
+  the params alone LARS reads no count, and LAMB's trust ratio cancels most of the bias
+  correction they freeze."""
+  criterion = unrolled_criterion(name)
   found = faults.faults(criterion.stacked)
   margins = criteria.margins(criterion, {k: found[k] for k in ("lr_1pct_off", "row_skipped")})
   assert margins.pop("passing")[0] <= 1
