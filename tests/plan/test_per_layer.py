@@ -171,6 +171,28 @@ def test_describe_puts_every_stacked_leaf_of_per_layer_in_its_loop(name):
   assert not where.reasons and not where.warnings, where.table()
 
 
+def _clipped_lamb():
+  return optax.chain(optax.clip_by_global_norm(1.0), optfuse.per_layer(optax.lamb(1e-2)))
+
+
+# id -> (tx, fuse's options): per_layer inside the forms the rest of optfuse composes.
+COMPOSED = {
+    "clipping, two-pass": (_clipped_lamb, dict(global_ops="two_pass")),
+    "clipping, forward": (_clipped_lamb, dict(mode="forward")),
+    "state in host memory": (lambda: optfuse.per_layer(optax.lamb(1e-2)), dict(offload="state")),
+    "8-bit state outside": (lambda: optfuse.low_bit(optfuse.per_layer(optax.adamw(1e-2)), 8,
+                                                    min_size=0), {}),
+}
+
+
+@pytest.mark.parametrize("case", COMPOSED)
+def test_describe_puts_per_layer_in_the_loop_when_composed(case):
+  tx, options = COMPOSED[case]
+  where = optfuse.describe(optfuse.fuse(tx(), **options), scanned_loss, stacked_params(),
+                           *batches()[0])
+  assert (where[W], where[B]) == ("loop", "loop"), where.table()
+
+
 @pytest.mark.parametrize("name", ("adafactor", "lamb", "lars"))
 def test_describe_names_per_layer_where_a_whole_leaf_statistic_mixes_the_layers(name):
   where = optfuse.describe(OPTIMIZERS[name](), scanned_loss, stacked_params(), *batches()[0])
