@@ -124,7 +124,7 @@ def _elementwise(eqn, axes, length):
     shape = _shape(v)
     if ax is not None or not shape:
       full.append(None)
-    elif len(shape) > a and shape[a] == length:
+    elif len(shape) > a and shape[a] in (length, 1):  # a size-1 axis broadcasts (take_row)
       full.append(a)
     else:
       raise NotRowwise(f"a value of shape {shape} meets a row of a stacked leaf of length "

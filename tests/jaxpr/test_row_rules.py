@@ -87,6 +87,12 @@ CASES: dict[str, tuple] = {
                             [((L, 3, 5), U32)]),
     "shift_right_arithmetic": (lambda x: lax.shift_right_arithmetic(x, jnp.full_like(x, 2)),
                                [((L, 3, 5), I32)]),
+    # An operand not batched by ``vmap`` keeps a size-1 axis that lax broadcasts against the
+    # stacked one (``optfuse.per_layer`` of low-bit state's bit shifts).
+    "shift_right_logical of a size-1 operand": (jax.vmap(
+        lambda x: jnp.right_shift(x, jnp.full((3, 5), 2, U32))), [((L, 3, 5), U32)]),
+    "add of a size-1 operand": (lambda x: lax.add(x, jnp.full((1, 3, 5), 0.5)),
+                                [((L, 3, 5), F32)]),
     "stop_gradient": (lax.stop_gradient, [((L, 3, 5), F32)]),
     "broadcast_in_dim": (lambda x: lax.broadcast_in_dim(x, (L, 2, 3, 5), (0, 2, 3)),
                          [((L, 3, 5), F32)]),

@@ -182,6 +182,9 @@ COMPOSED = {
     "state in host memory": (lambda: optfuse.per_layer(optax.lamb(1e-2)), dict(offload="state")),
     "8-bit state outside": (lambda: optfuse.low_bit(optfuse.per_layer(optax.adamw(1e-2)), 8,
                                                     min_size=0), {}),
+    # vmap of the codes' bit shifts: an unbatched operand keeps a size-1 axis (its row rule).
+    "8-bit state inside": (lambda: optfuse.per_layer(optfuse.low_bit(optax.adamw(1e-2), 8,
+                                                                     min_size=0)), {}),
 }
 
 
