@@ -165,15 +165,14 @@ def _resolve(layer_axes: LayerAxes, tree, flat: list, treedef) -> list[Axis]:
     layer_axes = default_layer_axes
   prefix = layer_axes(tree) if callable(layer_axes) else layer_axes
   try:
-    per_leaf = jax.tree.map(lambda a, sub: [a] * len(jax.tree.leaves(sub)), prefix, tree,
-                            is_leaf=lambda x: x is None)
+    full = jax.tree.map(lambda a, sub: jax.tree.map(lambda _: a, sub), prefix, tree,
+                        is_leaf=lambda x: x is None)
+    axes = treedef.flatten_up_to(full)
   except (ValueError, TypeError) as e:
     raise LayerAxesError(
         f"per_layer's layer_axes ({prefix!r}) is not a pytree prefix of the params (of "
         f"structure {treedef}): give one axis (an int) or None per leaf or per subtree, e.g. "
         '{"layers": 0, "head": None}') from e
-  axes = [a for sub in jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
-          for a in sub]
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   return [_checked_axis(a, np.shape(x), path) for a, x, path in zip(axes, flat, paths,
                                                                      strict=True)]

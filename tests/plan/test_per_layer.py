@@ -244,6 +244,16 @@ def test_stacks_of_different_lengths_get_one_state_each():
     criteria.assert_matches_optax(leaf, jnp.broadcast_to(want, leaf.shape))
 
 
+def test_layer_axes_may_be_a_prefix_holding_lists_and_none_subtrees():
+  params = {"stacks": [jnp.ones((3, 4, 4)), jnp.ones((4, 3))], "head": jnp.ones((4,)),
+            "none": None}
+  state = optfuse.per_layer(optax.adam(1e-2), {"stacks": [0, 1], "head": None,
+                                               "none": None}).init(params)
+  assert [s[0].count.shape for s in state.stacks] == [(3,)]
+  assert state.stacks[0][0].mu["stacks"][1].shape == (4, 3)  # stacked on its axis 1
+  assert state.rest[0].mu["head"].shape == (4,)
+
+
 def test_layer_axes_may_be_a_function_of_the_params():
   tx = optfuse.per_layer(optax.lamb(1e-2), lambda p: jax.tree.map(
       lambda x: 0 if x.ndim >= 2 and x.shape[0] == LAYERS else None, p))
