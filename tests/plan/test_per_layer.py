@@ -2,10 +2,12 @@
 
 On a scanned model, ``per_layer(tx)`` trains the stacked params exactly as plain optax ``tx``
 trains the same model unrolled (one leaf per layer): LAMB's and LARS's trust ratios, Adafactor's
-block RMS and Muon's matrices are taken per layer. Its update of row ``l`` reads only row ``l``,
-so backward fusion updates every stacked leaf inside its loop (``describe`` says "loop"). Plain
-``tx`` on the stacked leaves differs from the unrolled model where it takes a statistic of a
-whole leaf, and ``describe``'s reason for such a leaf names ``per_layer``.
+block RMS, Muon's matrices and GaLore's SVDs are taken per layer. Its update of row ``l`` reads
+only row ``l``, so backward fusion updates every stacked leaf inside its loop (``describe`` says
+"loop"), on layers stacked on axis 0 or 1, under Flax Linen's ``nn.scan``, and composed with
+clipping, offload and low-bit state. Plain ``tx`` on the stacked leaves differs from the unrolled
+model where it takes a statistic of a whole leaf, and ``describe``'s reason for such a leaf names
+``per_layer``.
 """
 
 import functools
