@@ -23,6 +23,7 @@ from optfuse._analysis._slices import SliceReport as SliceReport
 from optfuse._analysis._slices import smallest_slices as smallest_slices
 from optfuse._base._errors import BudgetError as BudgetError
 from optfuse._base._errors import GuardError as GuardError
+from optfuse._base._errors import LayerAxesError as LayerAxesError
 from optfuse._base._errors import LossOutputError as LossOutputError
 from optfuse._base._errors import LowBitError as LowBitError
 from optfuse._base._errors import MicrobatchError as MicrobatchError
@@ -45,6 +46,8 @@ from optfuse._fuse import fuse as fuse
 from optfuse._low_bit._transform import QuantizedSlot as QuantizedSlot
 from optfuse._low_bit._transform import low_bit as low_bit
 from optfuse._optimizers._muon_dims import stacked_muon_dims as stacked_muon_dims
+from optfuse._optimizers._per_layer import PerLayerState as PerLayerState
+from optfuse._optimizers._per_layer import per_layer as per_layer
 from optfuse._targets._backends import compiling_for as compiling_for
 from optfuse._targets._compiled import DoesNotFit as DoesNotFit
 from optfuse._targets._registry import target_mesh as target_mesh
@@ -58,11 +61,12 @@ __all__ = [
     "OffloadPlan", "place", "plan_offload", "describe", "FitReport", "max_batch_size",
     "params_to_device", "params_to_host", "streamed", "MemoryReport", "memory_report", "SliceFit",
     "SliceReport", "fsdp_axis", "smallest_slices", "BudgetError", "GuardError", "LossOutputError",
-    "LowBitError", "MicrobatchError", "MuonDimsError", "NonSeparableError", "OffloadError",
-    "OptfuseError", "OptionsError", "ParamsStructureError", "StateMismatchError", "TargetError",
-    "UnknownModeError", "FuseOptions", "ForwardState", "from_optax_state", "to_optax_state",
-    "FusedTransformation", "check_separable", "fuse", "QuantizedSlot", "low_bit",
-    "stacked_muon_dims", "compiling_for", "DoesNotFit", "target_mesh", "targets", "train_step",
+    "LayerAxesError", "LowBitError", "MicrobatchError", "MuonDimsError", "NonSeparableError",
+    "OffloadError", "OptfuseError", "OptionsError", "ParamsStructureError", "StateMismatchError",
+    "TargetError", "UnknownModeError", "FuseOptions", "ForwardState", "from_optax_state",
+    "to_optax_state", "FusedTransformation", "check_separable", "fuse", "QuantizedSlot", "low_bit",
+    "PerLayerState", "per_layer", "stacked_muon_dims", "compiling_for", "DoesNotFit",
+    "target_mesh", "targets", "train_step",
 ]
 
 __version__ = "0.1.0"

@@ -15,10 +15,17 @@ from optfuse._base import _checks, _leaves, _memory_spaces
 from optfuse._base._errors import NonSeparableError, OptionsError
 from optfuse._base._options import FuseOptions
 from optfuse._engines import _engine
-from optfuse._optimizers import _muon_dims
+from optfuse._optimizers import _muon_dims, _per_layer
 from optfuse._plan import _make, _row_checks
 from optfuse._targets import _inputs
 from optfuse._targets._compiled import format_bytes
+
+# What a reason adds where a stacked leaf's update mixes its rows: the layers of a stacked leaf
+# are its rows, and the per-layer form keeps them apart.
+PER_LAYER_HINT = ("; it mixes the layers of the stacked leaf: optfuse.per_layer(tx) applies the "
+                  "optimizer to each layer apart, as on the unrolled model (where a statistic "
+                  "per layer is meant; its layer_axes must give this leaf the axis its scan "
+                  "reads as layers)")
 
 
 class Placements(dict):
@@ -100,7 +107,9 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     whose ``reasons`` say, for every leaf a scan reads as its stacked input and that is not
     updated inside the loop, why (read twice, inside a ``while_loop``, the loop too short, given
     up by the memory guard (``fuse(..., guard=True)``, with both peaks), the
-    update mixes rows, microbatches...). Backward mode:
+    update mixes rows (the layers of the stacked leaf: the reason then names
+    ``optfuse.per_layer``, the form that applies the optimizer to each layer apart),
+    microbatches...). Backward mode:
     ``"loop"`` (row by row inside the backward loop of a scan, in place) or ``"tap"`` (in the
     backward pass once its whole gradient is complete). Forward mode: ``"loop"`` (row by row
     inside the forward loop of a scan, in place, just before the layer runs), ``"rows"`` (row
@@ -173,7 +182,8 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
   # The leaves a scan reads as its stacked input: those in a loop, and those with a reason.
   stacked = {i for i in diff if placed.get(i) == "loop" or i in reasons}
   mixing = {i for i, why in reasons.items() if why.startswith(_row_checks.MIXES_ROWS)}
-  warnings = _muon_dims.muon_warnings(fx.tx, params, stacked, mixing)
+  per_layer = _per_layer.applies_per_layer(jax.eval_shape(fx.tx.init, params))
+  warnings = _muon_dims.muon_warnings(fx.tx, params, stacked, mixing, per_layer)
   if fx.offload == "auto":
     where_params = {paths[i]: "host" if streams.get(paths[i]) == "params" else "device"
                     for i in sorted(diff)}
@@ -183,8 +193,8 @@ def describe(tx, loss_fn: Callable, params, *args, options: FuseOptions | None =
     where_params = {paths[i]: "host" if i in streamed else "device" for i in sorted(diff)}
     where_state = _state_memory(fx.tx, params, paths, diff, offload)
   return Placements({path: label(i) for i, path in enumerate(paths)},
-                    {paths[i]: why for i, why in reasons.items()
-                     if i in diff and placed.get(i) != "loop"},
+                    {paths[i]: why + (PER_LAYER_HINT if i in mixing else "")
+                     for i, why in reasons.items() if i in diff and placed.get(i) != "loop"},
                     where_state,
                     {paths[i]: why for i, why in warnings.items()},
                     where_params,

@@ -101,3 +101,12 @@ class MuonDimsError(OptfuseError, ValueError):
   or ``stacked`` to say which leaves carry it), or when a ``matrix`` rule returns axes that are
   not a matrix of one layer: an axis out of range, an axis on both sides, or a side empty.
   """
+
+
+class LayerAxesError(OptfuseError, ValueError):
+  """``per_layer`` cannot read which leaves are stacked, and on which axis.
+
+  Raised when its ``layer_axes`` is not a pytree prefix of the params, or gives a leaf an axis
+  that is not an int or is out of the leaf's range. Give one axis (or ``None``, not stacked) per
+  leaf or per subtree: ``{"layers": 0, "head": None}``.
+  """

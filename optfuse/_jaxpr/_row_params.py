@@ -124,7 +124,7 @@ def _elementwise(eqn, axes, length):
     shape = _shape(v)
     if ax is not None or not shape:
       full.append(None)
-    elif len(shape) > a and shape[a] == length:
+    elif len(shape) > a and shape[a] in (length, 1):  # a size-1 axis broadcasts (take_row)
       full.append(a)
     else:
       raise NotRowwise(f"a value of shape {shape} meets a row of a stacked leaf of length "
@@ -308,6 +308,17 @@ def _gather(eqn, axes, length):
   return RowParams(params, (None, None), (out,))
 
 
+def _matrices(eqn, axes, length):
+  """A linear-algebra primitive on a stack of matrices (``svd``, ``eigh``, ``qr``...): it works
+  on the last two axes of its operand, every leading axis a batch axis that each output keeps in
+  front, as ``jax.vmap`` of it makes (``optfuse.per_layer`` of GaLore's SVD)."""
+  del length
+  a = _unary(eqn, axes)
+  if a >= len(_shape(eqn.invars[0])) - 2:
+    raise NotRowwise(f"{eqn.primitive.name} of matrices along the stacked axis")
+  return RowParams(dict(eqn.params), (None,), (a,) * len(eqn.outvars))
+
+
 ELEMENTWISE: tuple[jcore.Primitive, ...] = (
     P.abs_p, P.acos_p, P.acosh_p, P.add_p, P.and_p, P.asin_p, P.asinh_p, P.atan_p, P.atan2_p,
     P.atanh_p, P.bessel_i0e_p, P.bessel_i1e_p, P.cbrt_p, P.ceil_p, P.clamp_p, P.clz_p, P.complex_p,
@@ -320,6 +331,8 @@ ELEMENTWISE: tuple[jcore.Primitive, ...] = (
     P.shift_right_logical_p, P.sign_p, P.sin_p, P.sinh_p, P.sqrt_p, P.square_p, P.stop_gradient_p,
     P.sub_p, P.tan_p, P.tanh_p, P.xor_p, P.zeta_p,
 )
+# Linear algebra on the last two axes of one operand, the leading axes batch axes of every output.
+MATRICES: tuple[jcore.Primitive, ...] = (P.svd_p, P.eigh_p, P.qr_p, P.cholesky_p, P.lu_p)
 REDUCTIONS: tuple[jcore.Primitive, ...] = (
     P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.reduce_and_p,
     P.reduce_or_p, P.reduce_xor_p, P.argmax_p, P.argmin_p,
@@ -331,6 +344,7 @@ REDUCTIONS: tuple[jcore.Primitive, ...] = (
 PARAMS_RULES: dict[jcore.Primitive, ParamsRule] = {
     **dict.fromkeys(ELEMENTWISE, _elementwise),
     **dict.fromkeys(REDUCTIONS, _reduction),
+    **dict.fromkeys(MATRICES, _matrices),
     **dict.fromkeys((P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p),
                     _along("axis")),
     P.broadcast_in_dim_p: _broadcast_in_dim,

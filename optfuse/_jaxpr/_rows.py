@@ -110,12 +110,16 @@ class _Partial:
 
 
 def take_row(x, index, length: int, axis: int = 0):
-  """Row ``index`` along ``axis`` of a full value (rank-0 values stay whole)."""
+  """Row ``index`` along ``axis`` of a full value (rank-0 values stay whole). A size-1 axis
+  there is broadcast against the stacked one (lax's binary operations broadcast it, as ``vmap``
+  emits them for an operand that is not batched): every row reads its one row."""
   shape = jax.numpy.shape(x)
   if not shape:
     return x
-  if len(shape) <= axis or shape[axis] != length:
+  if len(shape) <= axis or shape[axis] not in (length, 1):
     raise NotRowwise(f"a value of shape {shape} meets a row of a stacked leaf of length {length}")
+  if shape[axis] != length:
+    return lax.index_in_dim(x, 0, axis, keepdims=False)
   return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
 
 

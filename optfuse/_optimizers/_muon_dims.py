@@ -31,6 +31,10 @@ EXPERTS_KEYS = ("moe", "expert")  # parts of a key name, in any case
 # What ``describe``'s warnings tell a user of Muon with stacked layers to do.
 _FIX = ("muon_weight_dimension_numbers=optfuse.stacked_muon_dims (with layer_axis if the layers "
         "are not stacked on axis 0)")
+# The same under ``optfuse.per_layer``, where Muon's dimension numbers number one layer's axes.
+_FIX_PER_LAYER = ("dimension numbers of one layer's axes (under optfuse.per_layer): "
+                  "muon_weight_dimension_numbers=functools.partial(optfuse.stacked_muon_dims, "
+                  "stacked=lambda names, leaf: False)")
 
 
 def under_layer_stack(names: Names, leaf: Any) -> bool:
@@ -175,7 +179,7 @@ def _stored(layer: MuonDimensionNumbers, axis: int | None, rank: int, where: str
 
 
 def muon_warnings(tx: optax.GradientTransformation, params, stacked: Collection[int],
-                  mixing: Collection[int]) -> dict[int, str]:
+                  mixing: Collection[int], per_layer: bool = False) -> dict[int, str]:
   """Leaf index -> what a Muon in ``tx`` does to a stacked leaf that was likely not meant, and
   what to do instead; empty when ``tx`` runs no Muon.
 
@@ -184,6 +188,8 @@ def muon_warnings(tx: optax.GradientTransformation, params, stacked: Collection[
     params: its params (``jax.ShapeDtypeStruct`` values will do).
     stacked: the leaves a scan reads as its stacked input.
     mixing: the leaves whose update mixes rows of the stacked axis.
+    per_layer: whether the Muon runs under ``optfuse.per_layer``, on each layer apart: its
+      dimension numbers are then those of one layer.
   """
   on_muon = _on_muon(jax.eval_shape(tx.init, params), params)
   if on_muon is None:
@@ -193,9 +199,10 @@ def muon_warnings(tx: optax.GradientTransformation, params, stacked: Collection[
   for i in sorted(stacked):
     names, leaf = _leaves.key_names(flat[i][0]), flat[i][1]
     # The helper's default finds stacks by key name: say so where it would miss this one.
-    fix = _FIX + ("" if under_layer_stack(names, leaf) else
-                  ", and stacked= a predicate that takes this leaf (no key of its path is "
-                  "'layers' or 'blocks')")
+    fix = _FIX_PER_LAYER if per_layer else _FIX + (
+        "" if under_layer_stack(names, leaf) else
+        ", and stacked= a predicate that takes this leaf (no key of its path is 'layers' or "
+        "'blocks')")
     if i not in on_muon and len(leaf.shape) >= 3 and not embedding_or_head(names, leaf):
       found[i] = (f"Muon leaves this rank-{len(leaf.shape)} stacked leaf to its AdamW fallback "
                   "(it takes rank-2 leaves only, unless its dimension numbers name the leaf's "

@@ -52,6 +52,12 @@ def _unary(name):
   return (lambda x: fn(x + 1.0)) if name == "acosh" else fn
 
 
+def _spd(x):
+  """A symmetric positive definite matrix from each (3, 5) matrix of a stack."""
+  gram = jnp.einsum("...ij,...kj->...ik", x, x)
+  return gram + 3.0 * jnp.broadcast_to(jnp.eye(x.shape[-2]), gram.shape)
+
+
 CASES: dict[str, tuple] = {
     **{name: (_unary(name), [((L, 3, 5), F32)]) for name in UNARY},
     **{name: (getattr(lax, name), [((L, 3, 5), F32), ((L, 3, 5), F32)]) for name in BINARY},
@@ -81,6 +87,12 @@ CASES: dict[str, tuple] = {
                             [((L, 3, 5), U32)]),
     "shift_right_arithmetic": (lambda x: lax.shift_right_arithmetic(x, jnp.full_like(x, 2)),
                                [((L, 3, 5), I32)]),
+    # An operand not batched by ``vmap`` keeps a size-1 axis that lax broadcasts against the
+    # stacked one (``optfuse.per_layer`` of low-bit state's bit shifts).
+    "shift_right_logical of a size-1 operand": (jax.vmap(
+        lambda x: jnp.right_shift(x, jnp.full((3, 5), 2, U32))), [((L, 3, 5), U32)]),
+    "add of a size-1 operand": (lambda x: lax.add(x, jnp.full((1, 3, 5), 0.5)),
+                                [((L, 3, 5), F32)]),
     "stop_gradient": (lax.stop_gradient, [((L, 3, 5), F32)]),
     "broadcast_in_dim": (lambda x: lax.broadcast_in_dim(x, (L, 2, 3, 5), (0, 2, 3)),
                          [((L, 3, 5), F32)]),
@@ -117,6 +129,12 @@ CASES: dict[str, tuple] = {
     "gather": (lambda i: jnp.take(jnp.arange(10.0) * 0.5, i % 10), [((L, 3, 5), I32)]),
     "gather of rows": (lambda i: jnp.take(jnp.arange(20.0).reshape(10, 2), i % 10, axis=0),
                        [((L, 3, 5), I32)]),
+    # Linear algebra on each matrix of a stack (``optfuse.per_layer`` of GaLore's SVD).
+    "svd": (jnp.linalg.svd, [((L, 3, 5), F32)]),
+    "eigh": (lambda x: jnp.linalg.eigh(_spd(x)), [((L, 3, 5), F32)]),
+    "qr": (jnp.linalg.qr, [((L, 3, 5), F32)]),
+    "cholesky": (lambda x: jnp.linalg.cholesky(_spd(x)), [((L, 3, 5), F32)]),
+    "lu": (lambda x: lax.linalg.lu(x[..., :3]), [((L, 3, 5), F32)]),
 }
 
 
@@ -247,6 +265,8 @@ MIXING = {
                                 [((L, 3, 5), F32)]),
     "gather from a stacked operand": (lambda x: jnp.take(x, jnp.array([1, 0, 2, 3]), axis=0),
                                       [((L, 3, 5), F32)]),
+    "svd of matrices along the stacked axis": (lambda x: jnp.linalg.svd(jnp.swapaxes(x, 0, 1)),
+                                               [((L, 3, 5), F32)]),
 }
 
 
