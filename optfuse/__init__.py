@@ -34,6 +34,7 @@ from optfuse._base._errors import OptionsError as OptionsError
 from optfuse._base._errors import ParamsStructureError as ParamsStructureError
 from optfuse._base._errors import StateMismatchError as StateMismatchError
 from optfuse._base._errors import TargetError as TargetError
+from optfuse._base._errors import TracingError as TracingError
 from optfuse._base._errors import UnknownModeError as UnknownModeError
 from optfuse._base._options import FuseOptions as FuseOptions
 from optfuse._engines._forward_state import ForwardState as ForwardState

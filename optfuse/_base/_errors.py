@@ -101,3 +101,13 @@ class MuonDimsError(OptfuseError, ValueError):
   or ``stacked`` to say which leaves carry it), or when a ``matrix`` rule returns axes that are
   not a matrix of one layer: an axis out of range, an axis on both sides, or a side empty.
   """
+
+
+class TracingError(OptfuseError, RuntimeError):
+  """A backward rule of a fused step was not traced with the pass it belongs to.
+
+  Raised when a float param leaf has no backward rule in the step, or when two-pass backward
+  finds one of its rules traced outside the pullback it belongs to (or not traced in it: a
+  transpose JAX reused from another trace). The step is never compiled with an update it cannot
+  vouch for; the message names the leaves. Report it as a bug, with the loss.
+  """
