@@ -35,6 +35,7 @@ from optfuse._base._errors import OptionsError as OptionsError
 from optfuse._base._errors import ParamsStructureError as ParamsStructureError
 from optfuse._base._errors import StateMismatchError as StateMismatchError
 from optfuse._base._errors import TargetError as TargetError
+from optfuse._base._errors import TracingError as TracingError
 from optfuse._base._errors import UnknownModeError as UnknownModeError
 from optfuse._base._options import FuseOptions as FuseOptions
 from optfuse._engines._forward_state import ForwardState as ForwardState
@@ -63,10 +64,10 @@ __all__ = [
     "SliceReport", "fsdp_axis", "smallest_slices", "BudgetError", "GuardError", "LossOutputError",
     "LayerAxesError", "LowBitError", "MicrobatchError", "MuonDimsError", "NonSeparableError",
     "OffloadError", "OptfuseError", "OptionsError", "ParamsStructureError", "StateMismatchError",
-    "TargetError", "UnknownModeError", "FuseOptions", "ForwardState", "from_optax_state",
-    "to_optax_state", "FusedTransformation", "check_separable", "fuse", "QuantizedSlot", "low_bit",
-    "PerLayerState", "per_layer", "stacked_muon_dims", "compiling_for", "DoesNotFit",
-    "target_mesh", "targets", "train_step",
+    "TargetError", "TracingError", "UnknownModeError", "FuseOptions", "ForwardState",
+    "from_optax_state", "to_optax_state", "FusedTransformation", "check_separable", "fuse",
+    "QuantizedSlot", "low_bit", "PerLayerState", "per_layer", "stacked_muon_dims", "compiling_for",
+    "DoesNotFit", "target_mesh", "targets", "train_step",
 ]
 
 __version__ = "0.1.0"

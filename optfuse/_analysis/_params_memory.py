@@ -20,7 +20,6 @@ from optfuse._analysis._describe import describe
 from optfuse._base import _leaves, _memory_spaces
 from optfuse._base._errors import OffloadError
 from optfuse._fusion import _accumulate, _loops
-from optfuse._fusion._tap import PullbackRecord
 from optfuse._plan import _make
 from optfuse._targets import _backends, _inputs, _registry
 
@@ -139,7 +138,7 @@ def streamed(fn: Callable) -> Callable:
       diff = [i for i, x in enumerate(leaves) if _leaves.is_float(x)]
       loop_plan = _loops.analyze(fn, plan, params, jax.tree.leaves(shapes), args, kwargs, diff)
       _check_streamed(params, host, loop_plan)
-      inputs = _loops.LoopInputs(None, _backends.loop_policy(), PullbackRecord(),
+      inputs = _loops.LoopInputs(None, _backends.loop_policy(),
                                  dict.fromkeys(loop_plan.fused_leaves, ()))
       return loop_plan.call(inputs, leaves, args, kwargs)[0]
 

@@ -110,3 +110,13 @@ class LayerAxesError(OptfuseError, ValueError):
   that is not an int or is out of the leaf's range. Give one axis (or ``None``, not stacked) per
   leaf or per subtree: ``{"layers": 0, "head": None}``.
   """
+
+
+class TracingError(OptfuseError, RuntimeError):
+  """A backward rule of a fused step was not traced with the pass it belongs to.
+
+  Raised when a float param leaf has no backward rule in the step, or when two-pass backward
+  finds one of its rules traced outside the pullback it belongs to (or not traced in it: a
+  transpose JAX reused from another trace). The step is never compiled with an update it cannot
+  vouch for; the message names the leaves. Report it as a bug, with the loss.
+  """

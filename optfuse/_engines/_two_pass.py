@@ -32,7 +32,7 @@ from optfuse._engines import _backward
 from optfuse._engines._engine import Placed
 from optfuse._fusion import _loops
 from optfuse._fusion._row_buffers import value_after
-from optfuse._fusion._tap import PullbackRecord, make_tap
+from optfuse._fusion._tap import TwoPassPhase, check_ruled, make_tap, seeds
 from optfuse._plan import _make
 from optfuse._plan._plan import Plan
 from optfuse._targets._backends import LoopPolicy, loop_policy
@@ -52,21 +52,21 @@ class _Updater:
 
   In the first backward pass each row of a scanned leaf's gradient is reduced into the leaf's
   statistics (``row_stats``); in the second each row is updated (``row_update``) with the cuts
-  the statistics combine into, which the step's ``record`` holds by then.
+  the statistics combine into, which the step's ``phase`` holds by then.
   """
 
-  def __init__(self, plan: Plan, state_leaves: list, param_leaves: list,
-               record: PullbackRecord):
+  def __init__(self, plan: Plan, state_leaves: list, param_leaves: list, phase: TwoPassPhase):
     self.plan = plan
     self.state = state_leaves
     self.params = param_leaves
-    self.record = record
+    self.phase = phase
     self.update_params = True
 
   def row_update(self, i: int, grad_row, param_row, slot_rows, readonly, index, length: int,
                  axis: int = 0):
     del readonly  # none given: the rows read the whole state and params from here
-    return self.plan.run_group_row(i, self.state, self.params, self.record.cuts,
+    _, cuts = self.phase.read((i,))
+    return self.plan.run_group_row(i, self.state, self.params, cuts,
                                    (grad_row, param_row, slot_rows), index, length, axis)
 
   def row_stats(self, i: int, grad_row, index, length: int, axis: int = 0):
@@ -98,16 +98,12 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
   diff = [i for i, p in enumerate(param_leaves) if _leaves.is_float(p)]
-  record = PullbackRecord(stats=plan.stats is not None)
-  updater = _Updater(plan, state_leaves, param_leaves, record)
+  phase = TwoPassPhase()
+  updater = _Updater(plan, state_leaves, param_leaves, phase)
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
 
   def slots_of(i):
     return tuple(state_leaves[k] for k in plan.groups[i].state_outs)
-
-  def unfired_grad(i):
-    # A leaf the loss does not read (or a non-float one): optax sees a zero gradient.
-    return jnp.zeros_like(param_leaves[i])
 
   def apply(i, grad, param, slots, cuts):
     return plan.apply_leaf(i, grad, param, slots, state_leaves, param_leaves, cuts)
@@ -115,13 +111,13 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   def tap_rule(i):
     def rule(grad, param, operands):
       slots, _ = operands
-      record.ran(i)
-      if record.stats:
+      stats_pass, cuts = phase.read((i,))
+      if stats_pass:
         params_in = list(param_leaves)
         params_in[i] = param
         stats = plan.run_stats(i, grad, state_leaves, params_in)
         return None, (None, tuple(_carry(s) for s in stats))
-      new_param, new_slots = apply(i, grad, param, slots, record.cuts)
+      new_param, new_slots = apply(i, grad, param, slots, cuts)
       return new_param, (new_slots, None)
 
     return rule
@@ -130,63 +126,61 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   stat_avals = plan.stats.stats if plan.stats is not None else ((),) * plan.num_params
 
   def tapped_loss(diff_params, slots, stat_zeros):
-    leaves = list(param_leaves)
+    leaves, markers = list(param_leaves), {}
     for i in tapped_leaves:
-      leaves[i] = taps[i](diff_params[i], (slots[i], stat_zeros[i]))
+      leaves[i], markers[(i,)] = taps[i](diff_params[i], (slots[i], stat_zeros[i]))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
-    inputs = _loops.LoopInputs(updater, policy, record, slots, stat_inputs=stat_zeros)
-    value, _ = loop_plan.call(inputs, leaves, args, kwargs)
-    return check_loss(value, has_aux)
+    inputs = _loops.LoopInputs(updater, policy, slots, stat_inputs=stat_zeros, phase=phase)
+    value, _, loop_markers = loop_plan.call(inputs, leaves, args, kwargs)
+    loss, aux = check_loss(value, has_aux)
+    return (loss, {**markers, **loop_markers}), aux
 
   stat_zeros = {i: tuple(jnp.zeros(a.shape, jnp.result_type(_carry(jnp.zeros((), a.dtype))))
                          for a in stat_avals[i]) for i in diff}
   slots = {i: slots_of(i) for i in diff}
-  loss, pullback, aux = jax.vjp(tapped_loss, {i: param_leaves[i] for i in diff}, slots,
-                                stat_zeros, has_aux=True)
-  seed = jnp.ones_like(loss)
+  (loss, markers), pullback, aux = jax.vjp(tapped_loss, {i: param_leaves[i] for i in diff},
+                                           slots, stat_zeros, has_aux=True)
+  check_ruled(diff, markers)
+  seed = (jnp.ones_like(loss), seeds(markers))
   cuts, global_state = [], []
   if plan.stats is not None:
-    _, _, stat_cts = pullback(seed)
+    with phase.pass_(True, [], diff):
+      _, _, stat_cts = pullback(seed)
     stats = []
-    for i in range(plan.num_params):
-      if i in record.fired[0]:
+    for i, p in enumerate(param_leaves):
+      if i in stat_cts:
         stats.append([_uncarry(x, a) for x, a in zip(stat_cts[i], stat_avals[i])])
-      else:
-        stats.append(plan.run_stats(i, unfired_grad(i), state_leaves, param_leaves))
+      else:  # not trained: optax sees a zero gradient
+        stats.append(plan.run_stats(i, jnp.zeros_like(p), state_leaves, param_leaves))
     cuts, global_state = plan.run_combine(stats, state_leaves, param_leaves)
     # Without the order XLA runs the two backward passes side by side (the second one's
     # cotangents depend on nothing the first computes) and keeps each weight gradient of the
     # second pass alive until the global statistics are known: optax's memory.
-    seed = value_after(seed, cuts)
-  record.start_update_pass(cuts)
-  new_params, new_slots, _ = pullback(seed)
-  fired = record.fired[-1]
+    seed = (value_after(seed[0], cuts), seed[1])
+  with phase.pass_(False, cuts, diff):
+    new_params, new_slots, _ = pullback(seed)
 
-  params_out, state_out = _finish(plan, new_params, new_slots, fired, param_leaves,
-                                  state_leaves, unfired_grad,
+  params_out, state_out = _finish(plan, new_params, new_slots, param_leaves, state_leaves,
                                   cuts, global_state)
   value = (loss, aux) if has_aux else loss
   return (value, jax.tree.unflatten(plan.params_def, params_out),
           jax.tree.unflatten(plan.state_def, state_out))
 
 
-def _finish(plan: Plan, new_params: dict, new_slots: dict, fired: set, param_leaves: list,
-            state_leaves: list, unfired_grad: Callable, cuts, global_state) -> tuple[list, list]:
-  """The flat new params and state: the fired leaves' cotangents, and optax's update with
-  ``unfired_grad(i)`` for the others."""
+def _finish(plan: Plan, new_params: dict, new_slots: dict, param_leaves: list,
+            state_leaves: list, cuts, global_state) -> tuple[list, list]:
+  """The flat new params and state: the float leaves' cotangents (``new_params``,
+  ``new_slots``), and the integer leaves kept as optax keeps them."""
   params_out, slots_out = list(param_leaves), {}
   for i, p in enumerate(param_leaves):
     slots = tuple(state_leaves[k] for k in plan.groups[i].state_outs)
-    if i in fired:
+    if i in new_params:
       params_out[i], slots_out[i] = new_params[i], new_slots[i]
       continue
-    new_p, slots_out[i] = plan.apply_leaf(i, unfired_grad(i), p, slots, state_leaves,
-                                          param_leaves, cuts)
-    if _leaves.is_float(p):
-      params_out[i] = new_p
-    else:  # not trained: optax's zero-gradient update would promote its int slots to float
-      slots_out[i] = _leaves.keep_int_state(slots_out[i], slots)
+    # Not trained: optax's zero-gradient update would promote its int slots to float.
+    _, new = plan.apply_leaf(i, jnp.zeros_like(p), p, slots, state_leaves, param_leaves, cuts)
+    slots_out[i] = _leaves.keep_int_state(new, slots)
   return params_out, plan.new_state(state_leaves, param_leaves, slots_out, global_state)
 
 

@@ -22,8 +22,10 @@ stored param along its stored axis, and the update runs on the stored row in the
 What the loop needs from a mode is the ``RowUpdater`` protocol (``_fused_step.LeafUpdater``),
 or with two-pass backward's statistics the ``StatsUpdater`` (``_two_pass._Updater``), given
 with the rest of what a step's loops read as one ``LoopInputs`` value; what the forward loops
-update comes back as a value (``fused_scan``'s second result), and the backward loop records
-only that it ran, in the step's ``_tap.PullbackRecord``. This module imports nothing above it.
+update comes back as a value (``fused_scan``'s second result), with the scan's marker
+(``_tap.rule_marker``), through which the step makes JAX run the backward loop. Where the
+residuals come from (``Residuals``, static) travels in the forward rule's residuals themselves.
+This module imports nothing above it.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from optfuse._fusion._row_buffers import (
 )
 from optfuse._fusion._scan_body import Body, Residuals, merge, probe_residuals, residuals_of, split
 from optfuse._fusion._sites import Site
-from optfuse._fusion._tap import PullbackRecord
+from optfuse._fusion._tap import TwoPassPhase, rule_marker
 from optfuse._jaxpr import _interpreter, _rows
 from optfuse._targets._backends import LoopPolicy
 
@@ -82,26 +84,25 @@ class LoopInputs(NamedTuple):
   """What the fused scans of one step read besides their equations, given by the step.
 
   Attributes:
-    updater: the mode's ``RowUpdater``; a ``StatsUpdater`` where ``record`` starts with a
-      statistics pass (two-pass backward).
+    updater: the mode's ``RowUpdater``; a ``StatsUpdater`` with a ``phase``.
     policy: the step's per-compiler choices of its loops.
-    record: the step's ``PullbackRecord``: the backward loops record in it that they ran, and
-      read which pass of two-pass backward is traced.
     slots: leaf -> its optimizer-state slots (stacked along the leaf's stacked axis).
     readonly: leaf -> the other inputs its row update reads whole (shared state, other params),
       passed through the fused scan's inputs.
     pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).
     stat_inputs: leaf -> zero arrays whose cotangents carry the leaf's statistics (two-pass
       backward's statistics pass).
+    phase: two-pass backward's ``TwoPassPhase``, which the backward loops read to know which
+      pass is traced; ``None`` in one pass.
   """
 
   updater: RowUpdater
   policy: LoopPolicy
-  record: PullbackRecord
   slots: dict
   readonly: dict = {}
   pre_updates: dict = {}
   stat_inputs: dict = {}
+  phase: TwoPassPhase | None = None
 
 
 class PreUpdate(NamedTuple):
@@ -245,7 +246,7 @@ def _body(eqn: jcore.JaxprEqn, site: Site, is_param_x: list) -> Body:
 
 
 def fused_scan(eqn: jcore.JaxprEqn, site: Site, inputs: LoopInputs, ins: list
-               ) -> tuple[list, dict]:
+               ) -> tuple[list, dict, jax.Array]:
   """Binds ``eqn`` (a scan) as a custom_vjp whose backward updates ``site.leaves`` in place.
 
   Args:
@@ -255,10 +256,11 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, inputs: LoopInputs, ins: list
     ins: the equation's inputs; at the fused positions the stored param leaves.
 
   Returns:
-    ``(outputs, pre_results)``: the scan's outputs, and leaf -> ``(param stack, slot stacks)``
-    for the leaves its forward loop updated (``inputs.pre_updates``).
+    ``(outputs, pre_results, marker)``: the scan's outputs, leaf -> ``(param stack, slot
+    stacks)`` for the leaves its forward loop updated (``inputs.pre_updates``), and the marker
+    (``_tap.rule_marker``) the step seeds so that JAX runs the backward loop.
   """
-  updater, policy, record = inputs.updater, inputs.policy, inputs.record
+  updater, policy, phase = inputs.updater, inputs.policy, inputs.phase
   parts = _interpreter.scan_parts(eqn)
   nc, nk = parts.num_consts, parts.num_carry
   consts_in, carry_in, xs_in = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
@@ -271,37 +273,36 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, inputs: LoopInputs, ins: list
   pre = tuple(inputs.pre_updates.get(leaf) for leaf in site.leaves)
   pre_in = tuple(None if u is None else (u.grads, tuple(u.slots), u.operands) for u in pre)
   body = _body(eqn, site, is_param_x)
-  # Where the residuals of the body's VJP come from (their sources and tree structure), found by
-  # the forward rule and read by the backward rule, which runs after it: static structure, not an
-  # array, so it cannot travel as a residual and crosses the custom_vjp boundary here.
-  info: list[Residuals] = []
 
   @jax.custom_vjp
   def fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts, carry, xs_other):
     del leaf_slots, readonly, stat_in
     loop = _ForwardLoop(policy, body, pre, pre_in)
     carry_out, ys, _, _, pre_out, _ = loop.run(pstacks, consts, carry, xs_other, None)
-    return (*carry_out, *ys), pre_out
+    return (*carry_out, *ys), pre_out, rule_marker()
 
   def fwd(pstacks, leaf_slots, readonly, pre_in, stat_in, consts, carry, xs_other):
     loop = _ForwardLoop(policy, body, pre, pre_in)
     residuals, invariant = loop.probe(pstacks, list(consts), list(carry), list(xs_other))
-    info.append(residuals)
     carry_out, ys, saved, carries, pre_out, pstacks = loop.run(pstacks, consts, carry, xs_other,
                                                                residuals)
     leaf_slots = tuple(ordered_after(ls, u, out) for ls, u, out in zip(leaf_slots, pre, pre_out))
-    res = (pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant, xs_other)
-    return ((*carry_out, *ys), pre_out), res
+    # ``residuals`` (where each residual of the body's VJP comes from) is static: it travels as
+    # the tree structure of ``res``, so each backward rule reads its own forward rule's.
+    res = (residuals, pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant,
+           xs_other)
+    return ((*carry_out, *ys), pre_out, rule_marker()), res
 
   def bwd(res, cts):
-    pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant, xs_other = res
-    for leaf in site.leaves:
-      record.ran(leaf)
-    cts = cts[0]  # the updated stacks of ``pre`` are read by no loss: zero cotangents
+    (residuals, pstacks, leaf_slots, readonly, stat_in, consts, carries, saved, invariant,
+     xs_other) = res
+    # The updated stacks of ``pre`` are read by no loss (zero cotangents); the marker's
+    # cotangent only made JAX call this rule.
+    cts = cts[0]
+    stats = phase.read(site.leaves)[0] if phase is not None else False
     float_consts = split(consts, body.fc)[0]
-    loop = _BackwardLoop(policy, body, updater, info[-1], leaf_slots, readonly, float_consts,
+    loop = _BackwardLoop(policy, body, updater, residuals, leaf_slots, readonly, float_consts,
                          carries, saved, invariant, xs_other, list(cts[nk:]))
-    stats = record.stats
     ct_c, ct_consts, stacks, state_stacks, ct_xo, accs = loop.run(pstacks, list(cts[:nk]), stats)
     ct_consts_full = merge(ct_consts, [None] * (nc - sum(body.fc)), body.fc)
     ct_xo_full = merge(ct_xo, [None] * (len(xs_other) - sum(body.fxo)), body.fxo)
@@ -313,10 +314,10 @@ def fused_scan(eqn: jcore.JaxprEqn, site: Site, inputs: LoopInputs, ins: list
             ct_xo_full)
 
   fscan.defvjp(fwd, bwd)
-  outs, pre_out = fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts_in, carry_in,
-                        xs_other)
+  outs, pre_out, marker = fscan(pstacks, leaf_slots, readonly, pre_in, stat_in, consts_in,
+                                carry_in, xs_other)
   return list(outs), {leaf: updated for leaf, updated in zip(site.leaves, pre_out)
-                      if updated is not None}
+                      if updated is not None}, marker
 
 
 def ordered_after(stacks: tuple, pre: PreUpdate | None, pre_out) -> tuple:

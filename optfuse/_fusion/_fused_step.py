@@ -7,9 +7,12 @@ slots fed to the tap; stacked leaves of fused scans (``_loops``) are updated row
 backward loops. ``jax.vjp`` of the tapped loss therefore returns the updated params and state,
 and the full gradient tree never exists.
 
-Leaves whose tap never fires (the loss does not depend on them, or only through
-``stop_gradient``) get exactly optax's update with a zero gradient. Shared state (``count``,
-injected hyperparameters) is computed once per step.
+Every tap and fused scan also returns a marker (``_tap.rule_marker``) that the step returns
+from the differentiated loss and seeds with a one, so JAX runs every backward rule: a leaf the
+loss does not read (or only through ``stop_gradient``) gets its rule with a zero gradient,
+exactly optax's update without one. What each rule computed comes back as its cotangents, never
+through a record of which rules ran. Shared state (``count``, injected hyperparameters) is
+computed once per step.
 
 The backward engine runs this step with the optimizer's plan; forward fusion runs it with a
 plan whose state is the gradient itself (capturing it into a donated buffer), and gradient
@@ -27,7 +30,7 @@ from optfuse._base._checks import check_loss
 from optfuse._base._leaves import is_float, keep_int_state
 from optfuse._base._memory_spaces import like, to_device
 from optfuse._fusion import _loops
-from optfuse._fusion._tap import PullbackRecord, make_tap
+from optfuse._fusion._tap import check_ruled, make_tap, seeds
 from optfuse._plan._plan import Plan
 from optfuse._targets._backends import LoopPolicy
 
@@ -36,8 +39,7 @@ class LeafUpdater:
   """Runs the fused update of single leaves.
 
   The backward rules call ``apply`` (a tap's) and ``row_update`` (a fused scan's loop); the
-  leaves whose rule never ran in the backward pass are finished by ``finish`` with a zero
-  gradient, exactly as optax would treat them.
+  leaves that have no rule (integer leaves, not trained) are finished by ``finish``.
   """
 
   def __init__(self, plan: Plan, state_leaves: list, param_leaves: list,
@@ -70,25 +72,23 @@ class LeafUpdater:
     return new_param, tuple(like(n, s) for n, s in zip(new_slots, slots))
 
   def finish(self, new_params: dict, new_slots: dict) -> tuple[list, list]:
-    """Assembles the new flat params and state; leaves never fired get a zero gradient."""
+    """Assembles the new flat params and state from the float leaves' ``new_params`` and
+    ``new_slots``; the other leaves are kept as optax keeps them (its zero-gradient update)."""
     params_out, slots_out = list(self.params), {}
     for i in range(self.plan.num_params):
       if i in new_params:
         params_out[i], slots_out[i] = new_params[i], new_slots[i]
         continue
-      p = self.params[i]
-      new_p, slots = self.apply(i, jnp.zeros_like(p), p, self.slots(i), self.readonly(i))
-      params_out[i] = new_p if is_float(p) else p
-      slots_out[i] = slots if is_float(p) else keep_int_state(slots, self.slots(i))
+      p = self.params[i]  # an integer leaf, not trained: its int slots stay as they are
+      _, slots = self.apply(i, jnp.zeros_like(p), p, self.slots(i), self.readonly(i))
+      slots_out[i] = keep_int_state(slots, self.slots(i))
     return params_out, self.plan.new_state(self.state, self.params, slots_out)
 
 
-def _make_tap(updater: LeafUpdater, record: PullbackRecord, i: int) -> Callable:
-  """Leaf ``i``'s tap: ``tap(param, (slots, readonly))``, whose rule updates the leaf and
-  records that it ran in ``record``."""
+def _make_tap(updater: LeafUpdater, i: int) -> Callable:
+  """Leaf ``i``'s tap: ``tap(param, (slots, readonly))``, whose rule updates the leaf."""
   def rule(grad, param, operands):
     slots, readonly = operands
-    record.ran(i)
     new_param, new_slots = updater.apply(i, grad, param, slots, readonly)
     return new_param, (new_slots, None)
 
@@ -124,33 +124,30 @@ def value_and_update(plan: Plan, policy: LoopPolicy, loss_fn: Callable, has_aux:
   param_leaves = plan.params_def.flatten_up_to(params)
   state_leaves = jax.tree.leaves(state)
   updater = LeafUpdater(plan, list(state_leaves), list(param_leaves), update_params)
-  record = PullbackRecord()
   diff = [i for i, p in enumerate(param_leaves) if is_float(p)]
   tapped_leaves = [i for i in diff if i not in loop_plan.fused_leaves]
-  taps = {i: _make_tap(updater, record, i) for i in tapped_leaves}
+  taps = {i: _make_tap(updater, i) for i in tapped_leaves}
 
   def tapped_loss(diff_params, slots):
-    leaves = list(param_leaves)
+    leaves, markers = list(param_leaves), {}
     for i in tapped_leaves:
-      leaves[i] = taps[i](diff_params[i], (slots[i], updater.readonly(i)))
+      leaves[i], markers[(i,)] = taps[i](diff_params[i], (slots[i], updater.readonly(i)))
     for i in loop_plan.fused_leaves:
       leaves[i] = diff_params[i]
     readonly = {i: updater.readonly(i) for i in loop_plan.fused_leaves}
-    inputs = _loops.LoopInputs(updater, policy, record, slots, readonly, dict(pre_updates or {}))
-    value, pre_results = loop_plan.call(inputs, leaves, args, kwargs)
+    inputs = _loops.LoopInputs(updater, policy, slots, readonly, dict(pre_updates or {}))
+    value, pre_results, loop_markers = loop_plan.call(inputs, leaves, args, kwargs)
     loss, aux = check_loss(value, has_aux)
-    return loss, (aux, pre_results)
+    return (loss, {**markers, **loop_markers}), (aux, pre_results)
 
   diff_params = {i: param_leaves[i] for i in diff}
   slots = {i: updater.slots(i) for i in diff}
-  loss, pullback, (aux, pre_results) = jax.vjp(tapped_loss, diff_params, slots, has_aux=True)
+  (loss, markers), pullback, (aux, pre_results) = jax.vjp(tapped_loss, diff_params, slots,
+                                                          has_aux=True)
+  check_ruled(diff, markers)
   value = (loss, aux) if has_aux else loss
-  seed = jnp.ones_like(loss)
-  new_params, new_slots = pullback(seed)
-  fired = record.fired[-1]
-  params_out, state_out = updater.finish(
-      {i: new_params[i] for i in diff if i in fired},
-      {i: new_slots[i] for i in diff if i in fired})
+  new_params, new_slots = pullback((jnp.ones_like(loss), seeds(markers)))
+  params_out, state_out = updater.finish(new_params, new_slots)
   out = (value, jax.tree.unflatten(plan.params_def, params_out),
          jax.tree.unflatten(plan.state_def, state_out))
   return out if pre_updates is None else (*out, pre_results)

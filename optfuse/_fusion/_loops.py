@@ -85,15 +85,17 @@ class LoopPlan(NamedTuple):
   reasons: dict
   in_remat: frozenset = frozenset()
 
-  def call(self, inputs: LoopInputs, leaves, args, kwargs) -> tuple[Any, dict]:
+  def call(self, inputs: LoopInputs, leaves, args, kwargs) -> tuple[Any, dict, dict]:
     """Evaluates the loss on ``leaves`` (the fused leaves untapped) with fused scans, which
-    read ``inputs``: ``(value, pre_results)``, the loss's value and leaf -> ``(param stack,
-    slot stacks)`` of the leaves the forward loops updated (``LoopInputs.pre_updates``)."""
+    read ``inputs``: ``(value, pre_results, markers)``, the loss's value, leaf -> ``(param
+    stack, slot stacks)`` of the leaves the forward loops updated (``LoopInputs.pre_updates``),
+    and the leaves of each fused scan bound -> its marker (``_tap.rule_marker``)."""
     arg_leaves = jax.tree.leaves((args, kwargs))
     dyn = [a for a, d in zip(arg_leaves, self.dynamic) if d]
     interpreter = _LossInterpreter(self, inputs)
     outs = interpreter.run(self.jaxpr, self.consts, [*leaves, *dyn])
-    return jax.tree.unflatten(self.out_def, outs), interpreter.pre_results
+    return (jax.tree.unflatten(self.out_def, outs), interpreter.pre_results,
+            interpreter.markers)
 
 
 def is_dynamic(x) -> bool:
@@ -173,13 +175,15 @@ class _LossInterpreter(_interpreter.Interpreter):
     super().__init__()
     self.loop_plan, self.inputs = loop_plan, inputs
     self.pre_results: dict = {}  # what the forward loops updated, returned by ``LoopPlan.call``
+    self.markers: dict = {}  # the fused scans' markers, returned by ``LoopPlan.call``
 
   def scan(self, eqn, ins) -> list:
     site = self.loop_plan.sites.get(id(eqn))
     if site is None:
       return self.default(eqn, ins)
     ins = [x.value if isinstance(x, _Deferred) else x for x in ins]
-    outs, pre_results = _fused_scan.fused_scan(eqn, site, self.inputs, ins)
+    outs, pre_results, self.markers[site.leaves] = _fused_scan.fused_scan(eqn, site, self.inputs,
+                                                                          ins)
     self.pre_results.update(pre_results)
     return outs
 
@@ -207,12 +211,16 @@ def _enter(interp: _LossInterpreter, eqn: jcore.JaxprEqn, ins: list) -> list:
   if _interpreter.primitive_of(eqn) not in REWRAPPED_CALLS:
     return interp.run(body.jaxpr, body.consts, ins)
   # Forward fusion updates no row inside a checkpoint (``LoopPlan.in_remat``), so nothing but
-  # the outputs leaves it.
+  # the outputs and the markers of its fused scans leaves it.
   deferred = [isinstance(x, _Deferred) for x in ins]
+  outer = interp.markers
 
   def rematted(*arrays):
+    interp.markers = {}
     vals = [_Deferred(a) if d else a for a, d in zip(arrays, deferred)]
-    return interp.run(body.jaxpr, body.consts, vals)
+    return interp.run(body.jaxpr, body.consts, vals), interp.markers
 
   arrays = [x.value if d else x for x, d in zip(ins, deferred)]
-  return jax.checkpoint(rematted, **_interpreter.remat_options(eqn))(*arrays)
+  outs, markers = jax.checkpoint(rematted, **_interpreter.remat_options(eqn))(*arrays)
+  interp.markers = {**outer, **markers}
+  return outs

@@ -40,6 +40,10 @@ def merge(selected, others, mask):
 class Residuals(NamedTuple):
   """Where each residual of the body's VJP comes from in iteration ``l`` of the backward.
 
+  A static pytree (no leaves; the value is its tree structure): the fused scan's forward rule
+  returns it among its residuals, and JAX rebuilds it, with the residuals' tree, for the
+  backward rule it pairs with that forward pass.
+
   Attributes:
     treedef: treedef of the VJP function (its leaves are the residuals).
     sources: per residual, ``("input", k)`` for the ``k``-th flat input of the body's float
@@ -52,6 +56,9 @@ class Residuals(NamedTuple):
   treedef: Any
   sources: tuple[tuple[str, int], ...]
   needs_carry: bool
+
+
+jax.tree_util.register_static(Residuals)
 
 
 class Body(NamedTuple):

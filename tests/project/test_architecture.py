@@ -297,3 +297,122 @@ def test_no_engine_imports_a_wrapper_stacked_around_it(module):
   wrappers = (_optfuse_imports(_tree(module)) & ENGINE_WRAPPERS) - {module}
   assert not wrappers, (f"{module} imports {sorted(wrappers)}: a wrapper is stacked around a "
                         "mode's engine by _fuse.make_engine, not called from inside one")
+
+
+# What tracing learns travels as values (docs/design.md, "What crosses a custom_vjp"): a custom_vjp
+# rule (a function given to ``defvjp``, or a tap's rule given to ``make_tap``) writes nothing to a
+# Python object that outlives it, where a rule of another trace could read it. The objects a rule
+# may touch, each checked where it is declared:
+CHECKED_CHANNELS = {
+    "phase": "two-pass backward's TwoPassPhase: the static pass and the cuts a step hands its "
+             "rules between pullbacks; read() raises outside an open pass, and a pass that "
+             "closes with a rule missing raises (_fusion._tap)",
+}
+MUTATING_METHODS = frozenset({"append", "extend", "add", "update", "insert", "setdefault", "pop",
+                              "popitem", "clear", "discard", "remove", "ran"})
+
+
+def _names_bound(fn: ast.AST) -> set[str]:
+  """Names a function (and what it nests) binds: parameters, assignments, loop targets, defs."""
+  bound = set()
+  for n in ast.walk(fn):
+    if isinstance(n, ast.arg):
+      bound.add(n.arg)
+    elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+      bound.add(n.id)
+    elif isinstance(n, (ast.FunctionDef, ast.Lambda)) and hasattr(n, "name"):
+      bound.add(n.name)
+  return bound
+
+
+def _custom_vjp_rules(tree: ast.Module) -> list[ast.FunctionDef]:
+  """The functions given to ``defvjp`` or ``make_tap`` (directly, or as what a local factory
+  called there returns), found in the scope that defines them."""
+  rules = []
+  for scope in ast.walk(tree):
+    if not isinstance(scope, (ast.Module, ast.FunctionDef)):
+      continue
+    defs = {n.name: n for n in scope.body if isinstance(n, ast.FunctionDef)}
+    for call in ast.walk(scope):
+      if not isinstance(call, ast.Call):
+        continue
+      f = call.func
+      if not ((isinstance(f, ast.Attribute) and f.attr == "defvjp")
+              or (isinstance(f, ast.Name) and f.id == "make_tap")):
+        continue
+      for arg in call.args:
+        if isinstance(arg, ast.Name) and arg.id in defs:
+          rules.append(defs[arg.id])
+        elif (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name)
+              and arg.func.id in defs):  # a factory: the functions it returns by name
+          factory = defs[arg.func.id]
+          inner = {n.name: n for n in factory.body if isinstance(n, ast.FunctionDef)}
+          rules += [inner[r.value.id] for r in ast.walk(factory) if isinstance(r, ast.Return)
+                    and isinstance(r.value, ast.Name) and r.value.id in inner]
+  return list({id(r): r for r in rules}.values())
+
+
+def _outside_writes(rule: ast.FunctionDef) -> list[str]:
+  """What ``rule`` writes to objects it did not make: a mutating method called on, an item or
+  attribute assigned to, a free name; ``nonlocal`` and ``global``."""
+  bound, found = _names_bound(rule), []
+  for n in ast.walk(rule):
+    target = None
+    if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+        and n.func.attr in MUTATING_METHODS):
+      target = n.func.value
+    elif isinstance(n, (ast.Assign, ast.AugAssign)):
+      for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+        if isinstance(t, (ast.Subscript, ast.Attribute)):
+          target = t.value
+    elif isinstance(n, (ast.Nonlocal, ast.Global)):
+      found.append(f"{rule.name}, line {n.lineno}: {type(n).__name__.lower()} {n.names}")
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+      target = target.value
+    if isinstance(target, ast.Name) and target.id not in bound:
+      found.append(f"{rule.name}, line {n.lineno}: writes to {target.id!r}")
+  return found
+
+
+def _checked_reads(rule: ast.FunctionDef) -> set[str]:
+  return {n.id for n in ast.walk(rule) if isinstance(n, ast.Name) and n.id in CHECKED_CHANNELS
+          and n.id not in _names_bound(rule)}
+
+
+def test_the_side_channel_check_finds_a_record_written_by_one_rule():
+  snippet = ast.parse(
+      "def fused(record):\n"
+      "  info = []\n"
+      "  def fwd(x):\n"
+      "    info.append(x.shape)\n"
+      "    record.fired[-1].add(0)\n"
+      "    return x, ()\n"
+      "  def bwd(res, ct):\n"
+      "    nonlocal info\n"
+      "    record.cuts = info[-1]\n"
+      "    return (ct,)\n"
+      "  def rule_of(i):\n"
+      "    def rule(g, p, o):\n"
+      "      record.ran(i)\n"
+      "      return g, None\n"
+      "    return rule\n"
+      "  f.defvjp(fwd, bwd)\n"
+      "  make_tap(rule_of(0))\n")
+  rules = _custom_vjp_rules(snippet)
+  assert sorted(r.name for r in rules) == ["bwd", "fwd", "rule"]
+  assert len([w for r in rules for w in _outside_writes(r)]) == 5
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_custom_vjp_rule_writes_to_an_object_another_trace_reads(module):
+  rules = _custom_vjp_rules(_tree(module))
+  found = [w for rule in rules for w in _outside_writes(rule)]
+  assert not found, (f"{module}: custom_vjp rules write to objects that outlive them: {found}. "
+                     "Return what a rule finds as values: the forward rule's residuals (static "
+                     "structure as a static pytree), the backward rule's cotangents")
+
+
+def test_every_checked_channel_is_read_by_a_rule():
+  read = {name for m in MODULES for rule in _custom_vjp_rules(_tree(m))
+          for name in _checked_reads(rule)}
+  assert read == set(CHECKED_CHANNELS)
