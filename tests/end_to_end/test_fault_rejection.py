@@ -62,8 +62,8 @@ def _microbatches():
   return criteria.Criterion(
       fused=lambda t: test_accumulate._fused(t, loss, "backward", params, STEPS, *data),
       tx=tx, reference=lambda: test_accumulate._manual_optax(tx(), loss, params, STEPS, *data),
-      check=functools.partial(criteria.assert_matches_optax, **test_accumulate.TOL),
-      distance=functools.partial(criteria.matches_optax_distance, **test_accumulate.TOL),
+      check=functools.partial(criteria.assert_matches_optax, **criteria.MICROBATCH),
+      distance=functools.partial(criteria.matches_optax_distance, **criteria.MICROBATCH),
       stacked=lambda path: path.startswith("['layers']"))
 
 
