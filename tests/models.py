@@ -425,38 +425,40 @@ def assert_within_spread(got, spread: Spread, tol: dict = LOW_BIT_TOL):
     SpreadTooWide: the reference's own width exceeds the cap on a leaf the tolerance does not
       settle ("cannot judge").
   """
-  for j in _judgeable(got, spread, tol):
+  for j in judge(got, spread, tol):
+    if j.within_tol:
+      continue
+    if j.width > j.cap:
+      raise _too_wide(j)
     assert j.distance <= j.width, (
         f"{j.name}: distance {j.distance:.3g} from the reference, beyond {SPREAD_MARGIN} x the "
         f"spread of reference runs started an ulp or two apart ({j.width:.3g})")
 
 
-def _judgeable(got, spread: Spread, tol: dict) -> list[Judged]:
-  """The leaves of ``got`` beyond ``tol`` of the reference, each judged by its width.
-
-  Raises:
-    SpreadTooWide: such a leaf's width exceeds its cap.
-  """
-  beyond = [j for j in judge(got, spread, tol) if not j.within_tol]
-  for j in beyond:
-    if j.width > j.cap:
-      raise SpreadTooWide(
-          f"{j.name}: the reference runs started an ulp or two apart are {j.width:.3g} wide "
-          f"({SPREAD_MARGIN} x their spread), more than {SPREAD_CAP} of how far the reference "
-          f"moved ({j.cap:.3g}): the spread check cannot judge this run (a learning rate 1 % off "
-          "could pass). Shorten the run or lower the learning rate until the reference is less "
-          "chaotic.")
-  return beyond
+def _too_wide(j: Judged) -> SpreadTooWide:
+  return SpreadTooWide(
+      f"{j.name}: the reference runs started an ulp or two apart are {j.width:.3g} wide "
+      f"({SPREAD_MARGIN} x their spread), more than {SPREAD_CAP} of how far the reference "
+      f"moved ({j.cap:.3g}): the spread check cannot judge this run (a learning rate 1 % off "
+      "could pass). Shorten the run or lower the learning rate until the reference is less "
+      "chaotic.")
 
 
 def spread_distance(got, spread: Spread, tol: dict = LOW_BIT_TOL) -> tuple[float, str]:
-  """``assert_within_spread``'s distance of ``got = (losses, params)`` in units of the width
-  accepted (0 where every leaf is within ``tol``), and its leaf, for ``criteria.Criterion``.
+  """The spread check's distance of ``got = (losses, params)``, for ``criteria.Criterion``: the
+  largest over the leaves beyond ``tol`` whose width the check accepts (at most the cap) of
+  their distance in units of that width, and its leaf; 0 where every leaf is within ``tol``.
 
   Raises:
-    SpreadTooWide: as ``assert_within_spread``.
+    SpreadTooWide: no leaf is beyond its width, and a leaf beyond ``tol`` has a width over the
+      cap: the check cannot judge the run.
   """
-  return max(((j.margin, j.name) for j in _judgeable(got, spread, tol)), default=(0.0, ""))
+  beyond = [j for j in judge(got, spread, tol) if not j.within_tol]
+  judgeable = [j for j in beyond if j.width <= j.cap]
+  worst = max(((j.margin, j.name) for j in judgeable), default=(0.0, ""))
+  if worst[0] <= 1 and len(judgeable) < len(beyond):
+    raise _too_wide(next(j for j in beyond if j.width > j.cap))
+  return worst
 
 
 def assert_within_reference_spread(got, reference: Callable[[int], tuple], tol: dict, *, start,
