@@ -58,15 +58,13 @@ F32 = dict(rtol=F32_RTOL, atol=F32_ATOL)
 # F32_RTOL. Measured on CPU: at most 7.2e-7 absolute after 50 forward-mode steps (lion,
 # adafactor and normalize_by_update_norm bit-identical) and after 50 two-pass steps, 4.8e-7
 # after the 52 steps of test_checkpoint's mode switches. Used by the loops, forward, two-pass,
-# guard, checkpoint and model-form tests, and as LOW_BIT_TOL.
+# guard, checkpoint, model-form and unknown-primitive tests, and as LOW_BIT_TOL.
 F32_FLOOR = dict(rtol=F32_RTOL, atol=1e-5)
 
 # Microbatches: the fused step divides each microbatch's loss by k before its gradient is
-# added to the sum (optax's loop adds, then divides), one rounding per step more than one batch,
-# and the global norm of two-pass with microbatches sums the rows' squares in another order.
-# Measured over 20 steps on CPU (test_accumulate): a few ulps of the O(1) params; 2e-5 leaves
-# headroom, and a learning rate 1 % off is still far beyond it (the "microbatches" row of
-# test_fault_rejection).
+# added to the sum (optax's loop adds, then divides), one rounding per step more than one batch
+# (test_accumulate, test_offload_params and test_offload_auto, over 20 steps); a learning rate
+# 1 % off is still far beyond it (the "microbatches" row of test_fault_rejection).
 MICROBATCH = dict(rtol=2e-5, atol=2e-5)
 # Two-pass with microbatches over 20 steps (test_two_pass), on the tied LM: at most 4.8e-7
 # absolute (one ulp of the losses, about 4.0); 5e-6 leaves a 10x margin.
