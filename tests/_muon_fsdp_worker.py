@@ -9,7 +9,7 @@ of ``test_muon``'s decoder is sharded along its first per-layer axis of size 16 
 model dimension, or ff) over an ``Auto`` mesh axis, as FSDP shards weights; the step is jitted
 with the mesh set. It checks that ``describe`` puts
 every stacked Muon matrix in its loop and that 20 backward-fused steps equal 20 unfused ones on
-the same mesh (``test_muon.RTOL``/``ATOL``), and exits with an error otherwise.
+the same mesh (``criteria.F32``), and exits with an error otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optfuse  # noqa: E402
-from tests import models  # noqa: E402
+from tests import criteria, models  # noqa: E402
 from tests.engines import test_muon as m  # noqa: E402
 
 DEVICES = 8
@@ -52,7 +52,7 @@ def main() -> None:
       fx = optfuse.fuse(m._muon(), mode=mode)
       step = fx.value_and_update(m.decoder_loss)
       runs.append(models.run_steps(step, params, fx.init(params), m._batches(), 20))
-  chex.assert_trees_all_close(runs[0][:2], runs[1][:2], rtol=m.RTOL, atol=m.ATOL)
+  chex.assert_trees_all_close(runs[0][:2], runs[1][:2], **criteria.F32)
   print("ok")
 
 

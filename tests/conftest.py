@@ -45,8 +45,18 @@ if _CACHE not in os.environ:
   atexit.register(shutil.rmtree, os.environ[_CACHE], True)
 
 import jax  # noqa: E402  (after the environment above)
+import pytest  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items):
+  """Marks ``rejection`` every test named for rejecting an error (``..._rejects_...``): the
+  fault-injection tests of ``tests/faults.py``, which CI runs under ``-m slow`` too."""
+  for item in items:
+    if "_rejects_" in item.name:
+      item.add_marker(pytest.mark.rejection)

@@ -48,6 +48,31 @@ from tests.faults import LR_ERROR
 # difference: a learning rate 1 % off moves the params of the criteria's runs by hundreds of
 # times the tolerance (``python -m tests.margins``).
 F32_RTOL, F32_ATOL = 1e-5, 1e-6
+# The same, as keyword arguments (``np.testing.assert_allclose``, ``chex``, the spread check).
+F32 = dict(rtol=F32_RTOL, atol=F32_ATOL)
+
+# float32 with an absolute floor of 1e-5 (about 100 ulps of values of order 1) where a test
+# compares elements that start at or cross zero (biases, moments of near-zero gradients) after
+# many steps: Adam's division by sqrt(nu) amplifies an ulp of a near-zero gradient, so an
+# element near zero can drift further than F32_ATOL while every O(1) element stays within
+# F32_RTOL. Measured on CPU: at most 7.2e-7 absolute after 50 forward-mode steps (lion,
+# adafactor and normalize_by_update_norm bit-identical) and after 50 two-pass steps, 4.8e-7
+# after the 52 steps of test_checkpoint's mode switches. Used by the loops, forward, two-pass,
+# guard, checkpoint, model-form and unknown-primitive tests, and as LOW_BIT_TOL.
+F32_FLOOR = dict(rtol=F32_RTOL, atol=1e-5)
+
+# Microbatches: the fused step divides each microbatch's loss by k before its gradient is
+# added to the sum (optax's loop adds, then divides), one rounding per step more than one batch
+# (test_accumulate, test_offload_params and test_offload_auto, over 20 steps); a learning rate
+# 1 % off is still far beyond it (the "microbatches" row of test_fault_rejection).
+MICROBATCH = dict(rtol=2e-5, atol=2e-5)
+# Two-pass with microbatches over 20 steps (test_two_pass), on the tied LM: at most 4.8e-7
+# absolute (one ulp of the losses, about 4.0); 5e-6 leaves a 10x margin.
+TWO_PASS_MICROBATCH = dict(rtol=5e-6, atol=5e-6)
+
+# The examples and the notebook report the largest difference of a few float32 steps (losses of
+# order 1 to 6, ulp(6) = 4.8e-7) from their own plain optax run, as one scalar: a few ulps.
+EXAMPLE_DIFF = 1e-5
 
 # bfloat16: measured bit-identical to optax's bfloat16 run in every mode, with the state in
 # host memory too, at both XLA optimisation levels (``python -m tests.margins``). One ulp of
@@ -63,7 +88,7 @@ REJECTED_BY = 10.0
 
 class SpreadTooWide(AssertionError):
   """The reference is too chaotic for a check to judge a run: the spread check's width exceeds
-  ``models.SPREAD_CAP``, or the one-step check's ``STEP_WIDTH_CAP``."""
+  ``SPREAD_CAP``, or the one-step check's ``STEP_WIDTH_CAP``."""
 
 
 def _paths(tree) -> list[str]:
@@ -165,6 +190,9 @@ class Criterion:
     distance: ``distance(got, want) -> (distance in units of the tolerance, leaf)``.
     stacked: which leaves (by ``jax.tree_util.keystr`` path) are stacked layers, for
       ``faults.row_skipped``.
+    trajectory: a run (or the reference) without its state, for ``margins``: ``(losses,
+      params)`` of ``(losses, params, state)``; a criterion that judges only the trajectory
+      (the low-bit spread check, whose reference is a ``models.Spread``) keeps it whole.
   """
   fused: Callable[[Any], Any]
   tx: Callable[[], Any]
@@ -172,6 +200,7 @@ class Criterion:
   check: Callable[[Any, Any], None]
   distance: Callable[[Any, Any], tuple[float, str]]
   stacked: Callable[[str], bool]
+  trajectory: Callable[[Any], Any] = lambda run: run[:2]
 
 
 def margins(criterion: Criterion, faults: Mapping[str, Callable]
@@ -186,7 +215,8 @@ def margins(criterion: Criterion, faults: Mapping[str, Callable]
   out = {}
   for name, fault in runs.items():
     got = criterion.fused(fault(criterion.tx()))
-    out[name] = (criterion.distance(got, want)[0], criterion.distance(got[:2], want[:2])[0])
+    out[name] = (criterion.distance(got, want)[0],
+                 criterion.distance(criterion.trajectory(got), criterion.trajectory(want))[0])
   return out
 
 
@@ -212,6 +242,26 @@ def margins(criterion: Criterion, faults: Mapping[str, Callable]
 STEP_NUDGES = (1, -1, 2, -2)
 STEP_MARGIN = 2.0
 STEP_WIDTH_CAP = LR_ERROR / REJECTED_BY
+
+# The two caps on a measured width, side by side. Both are LR_ERROR divided by the factor by
+# which a learning rate 1 % off must land beyond the widest width the check accepts, on any leaf
+# it judges. One step at a time, that error moves every leaf's update by exactly LR_ERROR of
+# itself, so STEP_WIDTH_CAP guarantees REJECTED_BY. The spread check
+# (``models.assert_within_spread``) judges where a whole chaotic trajectory ends, in units of
+# how far the reference moved the leaf, ||p_T - p_0||: there the error moves a leaf by about
+# LR_ERROR of that only to first order (measured 0.9e-2 to 11e-2 per leaf in the low-bit and
+# Muon tests), and the low-bit references' own widths reach 4.1e-3 of it (low-bit AdamW, 10
+# steps; python -m tests.low_bit_margins), so a cap of STEP_WIDTH_CAP (1e-3) would refuse to
+# judge every low-bit trajectory. The spread cap guarantees SPREAD_REJECTED_BY on each leaf it
+# judges, and REJECTED_BY is measured instead of guaranteed: every fault test of the spread
+# check (``models.assert_rejected``, the ``low_bit_offload_params`` row of
+# test_fault_rejection) requires its faulted run at REJECTED_BY or more.
+SPREAD_REJECTED_BY = 2.0
+SPREAD_CAP = LR_ERROR / SPREAD_REJECTED_BY
+
+# The spread check's element-by-element tolerance: a leaf within it of the reference's run needs
+# no width (no code flipped).
+LOW_BIT_TOL = F32_FLOOR
 
 
 class StepWidths(NamedTuple):

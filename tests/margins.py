@@ -59,7 +59,7 @@ def optimizer_margins(mode: str) -> tuple[float, str]:
   optimizer."""
   params, batches = models.tied_lm_params(), models.tied_lm_batches()
   module = test_backward_equivalence if mode == "backward" else test_forward
-  tol = {} if mode == "backward" else test_forward.TOL
+  tol = {} if mode == "backward" else criteria.F32_FLOOR
   worst = (0.0, "")
   for name, make in module.OPTIMIZERS.items():
     want = models.run_optax(make(), params, batches, module.STEPS)

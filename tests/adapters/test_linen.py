@@ -26,6 +26,7 @@ from flax.training import train_state
 import optfuse
 import optfuse._train_step
 import optfuse.linen
+from tests import criteria
 
 STEPS = 50
 DROPOUT_KEY = jax.random.key(42)
@@ -186,9 +187,6 @@ def _trained(state) -> dict:
                                    "opt_state": state.opt_state, "step": state.step})
 
 
-# float32, the same operations as the reference but compiled into different XLA fusions: results
-# agree to a few ulps per step; over 50 Adam steps that stays below 1e-5 relative.
-TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 # Every model in backward mode through both entry points, and in forward mode (compared after
@@ -203,8 +201,8 @@ RUNS += [("conv_batchnorm_dropout", variant, "off") for variant in ("train_state
 def test_fused_step_matches_flax_apply_gradients_over_50_steps(case, variant, mode):
   ref_losses, ref_state = _reference(case)
   losses, state = _train(case, variant, mode)
-  np.testing.assert_allclose(losses, ref_losses, **TOL)
-  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+  np.testing.assert_allclose(losses, ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **criteria.F32)
 
 
 @pytest.mark.jax_upgrades
@@ -212,8 +210,8 @@ def test_fused_step_matches_flax_apply_gradients_over_50_steps(case, variant, mo
 def test_guarded_scanned_blocks_match_flax_apply_gradients(variant):
   ref_losses, ref_state = _reference("scanned_blocks")
   losses, state = _train("scanned_blocks", variant, guard=True)
-  np.testing.assert_allclose(losses, ref_losses, **TOL)
-  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+  np.testing.assert_allclose(losses, ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **criteria.F32)
 
 
 def test_create_builds_the_optax_opt_state_and_a_static_mode():
@@ -367,8 +365,8 @@ def test_offloaded_state_follows_flax_apply_gradients_over_30_jitted_donated_ste
   losses, state = _train(case, variant, mode, steps=OFFLOAD_STEPS, offload="state")
   assert _slot_memory_kinds(state.opt_state) == {"pinned_host"}
   # Moving slots to the host and back is exact: the tolerance of the device-resident runs.
-  np.testing.assert_allclose(losses, ref_losses, **TOL)
-  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+  np.testing.assert_allclose(losses, ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **criteria.F32)
 
 
 # Without jit each fused step is traced again (seconds a step), so a few steps: what they check
@@ -380,8 +378,8 @@ def test_offloaded_state_follows_flax_apply_gradients_without_jit(case, mode):
   ref_losses, ref_state = _reference(case, 3)
   losses, state = _train(case, "train_state", mode, steps=3, offload="state", jit=False)
   assert _slot_memory_kinds(state.opt_state) == {"pinned_host"}
-  np.testing.assert_allclose(losses, ref_losses, **TOL)
-  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+  np.testing.assert_allclose(losses, ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **criteria.F32)
 
 
 def test_create_with_offload_puts_the_slots_in_host_memory_and_the_count_on_the_device():
@@ -410,9 +408,9 @@ def test_forward_flush_mid_training_keeps_offloaded_state_on_the_host_and_follow
     losses.append(loss)
   state = state.flush()
   ref_losses, ref_state = _reference("scanned_blocks", 6)
-  np.testing.assert_allclose(np.asarray(losses), ref_losses, **TOL)
+  np.testing.assert_allclose(np.asarray(losses), ref_losses, **criteria.F32)
   chex.assert_trees_all_close(_trained(state.replace(opt_state=state.opt_state.opt_state)),
-                              _trained(ref_state), **TOL)
+                              _trained(ref_state), **criteria.F32)
 
 
 def test_orbax_resume_of_a_train_state_with_offloaded_state_continues_the_same_trajectory(
@@ -449,7 +447,7 @@ def test_orbax_resume_of_a_train_state_with_offloaded_state_continues_the_same_t
   for _ in range(4):
     state, _ = step(state, batch)
   _, ref_state = _reference("conv_batchnorm_dropout", 8)
-  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **TOL)
+  chex.assert_trees_all_close(_trained(state), _trained(ref_state), **criteria.F32)
 
 
 def test_apply_gradients_on_offloaded_state_matches_flax_and_leaves_it_on_the_host():

@@ -22,6 +22,7 @@ from flax import nnx
 
 import optfuse
 import optfuse.nnx
+from tests import criteria
 from tests._subprocess import checkout_env
 
 STEPS = 50
@@ -167,9 +168,6 @@ def _reference(case: str, steps: int = STEPS):
   return _train(case, fused=False, steps=steps)
 
 
-# float32, the same operations as the reference but compiled into different XLA fusions: results
-# agree to a few ulps per step; over 50 Adam steps that stays below 1e-5 relative.
-TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 # Every model in backward and forward mode (forward: compared after ``flush``); mode="off" is
@@ -182,16 +180,16 @@ RUNS += [("conv_batchnorm_dropout", "off")]
 def test_fused_step_matches_nnx_optimizer_update_over_50_steps(case, mode):
   ref_losses, ref_state = _reference(case)
   losses, state = _train(case, fused=True, mode=mode)
-  np.testing.assert_allclose(losses, ref_losses, **TOL)
-  chex.assert_trees_all_close(state, ref_state, **TOL)
+  np.testing.assert_allclose(losses, ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(state, ref_state, **criteria.F32)
 
 
 @pytest.mark.jax_upgrades
 def test_guarded_scanned_blocks_match_nnx_optimizer_update():
   ref_losses, ref_state = _reference("scanned_blocks")
   losses, state = _train("scanned_blocks", fused=True, guard=True)
-  np.testing.assert_allclose(losses, ref_losses, **TOL)
-  chex.assert_trees_all_close(state, ref_state, **TOL)
+  np.testing.assert_allclose(losses, ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(state, ref_state, **criteria.F32)
 
 
 def test_opt_state_has_the_layout_of_nnx_optimizer():
@@ -342,8 +340,8 @@ def test_offloaded_state_follows_nnx_optimizer_update_over_30_jitted_donated_ste
   losses, state = _train(case, fused=True, mode=mode, steps=OFFLOAD_STEPS, offload="state")
   assert _slot_memory_kinds(state["opt_state"]) == {"pinned_host"}
   # Moving slots to the host and back is exact: the tolerance of the device-resident runs.
-  np.testing.assert_allclose(losses, ref_losses, **TOL)
-  chex.assert_trees_all_close(state, ref_state, **TOL)
+  np.testing.assert_allclose(losses, ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(state, ref_state, **criteria.F32)
 
 
 # Without jit each fused step is traced again (seconds a step), so a few steps: what they check
@@ -355,8 +353,8 @@ def test_offloaded_state_follows_nnx_optimizer_update_without_jit(case, mode):
   ref_losses, ref_state = _reference(case, 3)
   losses, state = _train(case, fused=True, mode=mode, steps=3, offload="state", jit=False)
   assert _slot_memory_kinds(state["opt_state"]) == {"pinned_host"}
-  np.testing.assert_allclose(losses, ref_losses, **TOL)
-  chex.assert_trees_all_close(state, ref_state, **TOL)
+  np.testing.assert_allclose(losses, ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(state, ref_state, **criteria.F32)
 
 
 def test_offload_builds_the_slots_in_host_memory_with_nnx_optimizers_values():
@@ -387,8 +385,8 @@ def test_forward_flush_mid_training_keeps_offloaded_state_on_the_host_and_follow
   ref_losses, ref_state = _reference("scanned_blocks", 6)
   state = _pure({"model": nnx.state(model), "opt_state": nnx.as_pure(optimizer.opt_state).opt_state,
                  "step": optimizer.step, "args": nnx.state(args)})
-  np.testing.assert_allclose(np.asarray(losses), ref_losses, **TOL)
-  chex.assert_trees_all_close(state, ref_state, **TOL)
+  np.testing.assert_allclose(np.asarray(losses), ref_losses, **criteria.F32)
+  chex.assert_trees_all_close(state, ref_state, **criteria.F32)
 
 
 def test_update_with_gradients_on_offloaded_state_matches_nnx_and_leaves_it_on_the_host():

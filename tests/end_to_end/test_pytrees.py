@@ -15,10 +15,9 @@ import optax
 import pytest
 
 import optfuse
-from tests import models
+from tests import criteria, models
 
 STEPS = 50
-RTOL, ATOL = 1e-5, 1e-6
 
 
 def _optax_step(tx, loss_fn, has_aux):
@@ -55,7 +54,7 @@ def _train_fused_and_optax(make_tx, loss_fn, params, inputs, has_aux=False, step
   return results
 
 
-def _assert_same(got, want, rtol=RTOL, atol=ATOL):
+def _assert_same(got, want, rtol=criteria.F32_RTOL, atol=criteria.F32_ATOL):
   chex.assert_trees_all_equal_structs(got, want)
   chex.assert_trees_all_equal_dtypes(got, want)
   chex.assert_trees_all_close(got, want, rtol=rtol, atol=atol)
@@ -217,15 +216,15 @@ def test_integer_and_bool_params_are_carried_unchanged():
   for mode in ("backward", "off"):
     losses, got, state = models.run_fused(optax.adam(1e-2), mode, params, batches, STEPS,
                                           loss_fn=_int_loss)
-    chex.assert_trees_all_close(losses, want_losses, rtol=RTOL, atol=ATOL)
-    chex.assert_trees_all_close(_separable(got)[0], want_floats, rtol=RTOL, atol=ATOL)
+    chex.assert_trees_all_close(losses, want_losses, **criteria.F32)
+    chex.assert_trees_all_close(_separable(got)[0], want_floats, **criteria.F32)
     chex.assert_trees_all_equal(_separable(got)[1], ints)  # same values and dtypes
     adam, init_adam, want_adam = state[0], init_state[0], want_state[0]
     assert int(adam.count) == STEPS
     for moment, init_moment, want_moment in ((adam.mu, init_adam.mu, want_adam.mu),
                                              (adam.nu, init_adam.nu, want_adam.nu)):
       float_slots, int_slots = _separable(moment)
-      chex.assert_trees_all_close(float_slots, want_moment, rtol=RTOL, atol=ATOL)
+      chex.assert_trees_all_close(float_slots, want_moment, **criteria.F32)
       chex.assert_trees_all_equal(int_slots, _separable(init_moment)[1])  # as tx.init left them
 
 
@@ -264,5 +263,5 @@ def test_integer_and_bool_params_with_microbatches_train_like_off_and_keep_their
     (p, s), _ = jax.lax.scan(body, (params, fx.init(params)), None, length=5)
     chex.assert_trees_all_equal_dtypes((p, s), (params, fx.init(params)))
     runs[name] = optfuse.to_optax_state(fx, p, s) if name == "forward" else (p, s)
-  chex.assert_trees_all_close(runs[mode], runs["off"], rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(runs[mode], runs["off"], **criteria.F32)
   chex.assert_trees_all_equal(_separable(runs[mode][0])[1], _separable(params)[1])

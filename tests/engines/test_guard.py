@@ -16,11 +16,11 @@ from jax.sharding import PartitionSpec as P
 import optfuse
 from optfuse._engines import _guard
 from optfuse._targets import _backends, _registry
+from tests import criteria
 from tests.models import run_optax, run_steps
 
 L, D, B = 6, 16, 4
 TX = optax.adamw(1e-2, weight_decay=0.1)
-TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _params(seed=0):
@@ -82,7 +82,7 @@ def test_a_guarded_step_that_keeps_its_loop_trains_like_optax(jit):
   want = run_optax(TX, params, batches, 20, loss_fn=_stack_loss, jit=jit)
   fx = optfuse.fuse(TX, guard=True)
   got = run_steps(fx.value_and_update(_stack_loss), params, fx.init(params), batches, 20, jit)
-  chex.assert_trees_all_close(got, want, **TOL)
+  chex.assert_trees_all_close(got, want, **criteria.F32_FLOOR)
   assert optfuse.describe(fx, _stack_loss, params, *batches[0])["['layers']['w']"] == "loop"
 
 
@@ -125,7 +125,7 @@ def test_a_loop_that_peaks_above_its_taps_is_tapped_and_trains_like_optax(monkey
   assert "guard=True" in why and "200 B" in why and "100 B" in why
   want = run_optax(TX, params, batches, 20, loss_fn=_stack_loss)
   got = run_steps(fx.value_and_update(_stack_loss), params, fx.init(params), batches, 20)
-  chex.assert_trees_all_close(got, want, **TOL)
+  chex.assert_trees_all_close(got, want, **criteria.F32_FLOOR)
 
 
 def test_with_two_scans_the_guard_taps_the_one_that_costs_memory(monkeypatch):
@@ -156,7 +156,7 @@ def test_a_loss_that_closes_over_a_traced_value_is_guarded_too():
   _, new_params, _ = outer(params, fx.init(params), *batches[0], 2.0)
   doubled = lambda p, x, y: 2.0 * _stack_loss(p, x, y)
   _, want_params, _ = run_optax(TX, params, batches, 1, loss_fn=doubled)
-  chex.assert_trees_all_close(new_params, want_params, **TOL)
+  chex.assert_trees_all_close(new_params, want_params, **criteria.F32_FLOOR)
 
 
 # The decision is cached under ``shapes_key``: whatever changes the loop policy or the peaks the

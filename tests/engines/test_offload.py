@@ -21,9 +21,6 @@ from tests import criteria, models
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
-# The float32 criterion of the backward equivalence tests: moving a row to the host and back is
-# exact, so the only differences are XLA's own reassociations of the fused program.
-TOL = dict(rtol=criteria.F32_RTOL, atol=criteria.F32_ATOL)
 
 OPTIMIZERS = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.05),
@@ -81,7 +78,7 @@ def test_backward_fusion_with_offloaded_state_trains_like_optax_over_30_steps(mo
                          batches, 30)
   want = models.run_optax(tx, params, batches, 30, loss_fn=loss)
   criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                                **TOL)
+                                **criteria.F32)
   slots = [x for x in jax.tree.leaves(got[2]) if x.ndim]
   assert slots and {x.sharding.memory_kind for x in slots} == {"pinned_host"}
 
@@ -112,7 +109,7 @@ def test_forward_fusion_with_offloaded_state_and_gradient_trains_like_optax_over
   want = models.run_optax(tx, params, batches, 30, loss_fn=loss)
   # With clipping the global norm sums the rows' squares in another order: a float32 ulp.
   criteria.assert_matches_optax(jax.tree.map(np.asarray, (losses, p, opt_state)),
-                                jax.tree.map(np.asarray, want), **TOL)
+                                jax.tree.map(np.asarray, want), **criteria.F32)
 
 
 @pytest.mark.parametrize("mode", _matrix([("backward",), ("forward",), ("off",)],
@@ -126,7 +123,7 @@ def test_offloaded_state_without_jit_trains_like_optax(mode):
   got = (got[0], *optfuse.to_optax_state(fx, got[1], got[2]))
   want = models.run_optax(tx, params, batches, 3, loss_fn=loss)
   criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                                **TOL)
+                                **criteria.F32)
 
 
 def test_optax_step_with_offloaded_state_fetches_it_whole_and_matches_optax():
@@ -137,7 +134,7 @@ def test_optax_step_with_offloaded_state_fetches_it_whole_and_matches_optax():
                          batches, 20)
   want = models.run_optax(tx, params, batches, 20, loss_fn=loss)
   criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                                **TOL)
+                                **criteria.F32)
   assert _memory_kinds(got[2])[0].mu["layers"]["w"] == "pinned_host"
 
 
@@ -157,7 +154,7 @@ def test_microbatches_with_offloaded_state_match_the_device_resident_step(mode):
   got = run(optfuse.fuse(tx, mode=mode, offload="state"))
   want = run(optfuse.fuse(tx, mode=mode))
   criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                                **TOL)
+                                **criteria.F32)
 
 
 @pytest.mark.parametrize("form", _matrix([("linen_axis1",), ("moveaxis",), ("outer_remat",)],
@@ -177,9 +174,9 @@ def test_real_codebase_scan_forms_train_like_optax_with_offloaded_state(form):
   if form in ("linen_axis1", "bf16_policy"):
     # These forms compute in bf16 and rounds differently once a step's params differ by an ulp:
     # a chaos whose width depends on the processor, so it is measured (models.nudge).
-    models.assert_within_reference_spread(got[:2], reference, TOL, start=params)
+    models.assert_within_reference_spread(got[:2], reference, criteria.F32, start=params)
   else:
-    chex.assert_trees_all_close(got[:2], reference(0), **TOL)
+    chex.assert_trees_all_close(got[:2], reference(0), **criteria.F32)
 
 
 def test_two_pass_refuses_offload_and_says_what_runs_clipping_instead():
@@ -283,7 +280,7 @@ def test_orbax_resume_of_offloaded_state_continues_the_same_trajectory(tmp_path)
   for t in range(4, 8):
     _, p, s = step(p, s, *batches[t % len(batches)])
   criteria.assert_matches_optax(jax.tree.map(np.asarray, (p, s)),
-                                jax.tree.map(np.asarray, straight[1:]), **TOL)
+                                jax.tree.map(np.asarray, straight[1:]), **criteria.F32)
 
 
 def test_a_device_resident_state_is_refused_and_from_optax_state_moves_it_to_the_host():
@@ -339,7 +336,7 @@ def test_switching_optax_backward_forward_with_offload_follows_optax():
     assert float(optax.tree.norm(opt_state[0].mu)) > 0
   want = models.run_optax(tx, params, batches[:1], 24, loss_fn=loss)
   criteria.assert_matches_optax(jax.tree.map(np.asarray, (jnp.concatenate(losses), p, opt_state)),
-                                jax.tree.map(np.asarray, want), **TOL)
+                                jax.tree.map(np.asarray, want), **criteria.F32)
 
 
 def test_the_gpu_loop_reading_slot_rows_after_the_gradient_trains_like_optax(monkeypatch):
@@ -355,7 +352,7 @@ def test_the_gpu_loop_reading_slot_rows_after_the_gradient_trains_like_optax(mon
                          batches, 20)
   want = models.run_optax(tx, params, batches, 20, loss_fn=loss)
   criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                                **TOL)
+                                **criteria.F32)
 
 
 def test_a_flushed_forward_state_keeps_training_with_its_state_in_host_memory():
@@ -374,4 +371,4 @@ def test_a_flushed_forward_state_keeps_training_with_its_state_in_host_memory():
   want = models.run_optax(tx, params, batches, 6, loss_fn=loss)
   p, opt_state = optfuse.to_optax_state(fx, p, s)
   criteria.assert_matches_optax(jax.tree.map(np.asarray, (jnp.stack(losses), p, opt_state)),
-                                jax.tree.map(np.asarray, want), **TOL)
+                                jax.tree.map(np.asarray, want), **criteria.F32)

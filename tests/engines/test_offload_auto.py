@@ -92,7 +92,7 @@ def test_a_mixed_placement_with_microbatches_trains_like_optax_accumulating(jit)
   want = test_offload_params._optax_over_microbatches(tx, params, batches, steps,
                                                       models.scanned_loss, k=2)
   criteria.assert_matches_optax(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                                **test_offload_params.MICROBATCH_TOL)
+                                **criteria.MICROBATCH)
   # Its trace streams the stack in host memory, and only that one.
   found = []
   traced = lambda p, s, *batch: found.append(

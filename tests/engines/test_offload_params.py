@@ -14,7 +14,6 @@ import pathlib
 import subprocess
 import sys
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -33,10 +32,6 @@ from tests import criteria, models
 from tests._subprocess import checkout_env
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
-
-# The tolerances of tests/engines/test_offload.py (offload="state"): moving a row to the host and
-# back is exact, so the only differences are XLA's own reassociations of the fused program.
-TOL = dict(rtol=1e-5, atol=1e-6)
 
 STEPS = 20
 K = 2  # microbatches
@@ -106,8 +101,7 @@ def test_backward_fusion_with_streamed_params_trains_like_optax_over_20_steps(op
   tx = OPTIMIZERS[optimizer]()
   got = _train(optfuse.fuse(tx, offload="params"), params, batches, loss, STEPS)
   want = models.run_optax(tx, params, batches, STEPS, loss_fn=loss)
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                              **TOL)
+  criteria.assert_matches_optax(got, want)
 
 
 @pytest.mark.parametrize("optimizer", _matrix([("clip+adamw",), ("adamw",), ("clip+lion",)],
@@ -120,8 +114,7 @@ def test_forward_fusion_with_streamed_params_trains_like_optax_over_20_steps(opt
   got = _train(fx, params, batches, loss, STEPS)
   want = models.run_optax(tx, params, batches, STEPS, loss_fn=loss)
   # With clipping the global norm sums the rows' squares in another order: a float32 ulp.
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                              **TOL)
+  criteria.assert_matches_optax(got, want)
 
 
 @pytest.mark.parametrize("mode", _matrix([("backward",), ("forward",)], {("backward",)}))
@@ -131,8 +124,7 @@ def test_streamed_params_without_jit_train_like_optax(mode):
   got = _train(optfuse.fuse(tx, mode=mode, offload="params"), params, batches, loss, 3,
                jit=False)
   want = models.run_optax(tx, params, batches, 3, loss_fn=loss)
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                              **TOL)
+  criteria.assert_matches_optax(got, want)
 
 
 @pytest.mark.slow
@@ -151,9 +143,9 @@ def test_real_codebase_scan_forms_train_like_optax_with_streamed_params(form, mo
   if form == "linen_axis1":
     # It computes in bf16 and rounds differently once a step's params differ by an ulp: a
     # chaos whose width depends on the processor, so it is measured (models.nudge).
-    models.assert_within_reference_spread(got, reference, TOL, start=params)
+    models.assert_within_reference_spread(got, reference, criteria.F32, start=params)
   else:
-    chex.assert_trees_all_close(got, reference(0), **TOL)
+    criteria.assert_matches_optax(got, reference(0))
 
 
 @pytest.mark.parametrize("which, mode, microbatches", _matrix(
@@ -177,8 +169,7 @@ def test_low_bit_state_and_muon_stream_their_params_like_the_state_only_offload(
   want = models.run_steps(fx.value_and_update(loss, microbatches=microbatches), params,
                           fx.init(models.copy(params)), batches, 10)
   want = (want[0], *optfuse.to_optax_state(fx, want[1], want[2]))
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
-                              **TOL)
+  criteria.assert_matches_optax(got, want)
 
 
 @pytest.mark.slow
@@ -196,9 +187,7 @@ def test_a_jitted_flush_keeps_the_streamed_params_in_host_memory_and_training_fo
     loss_t, p, s = step(p, s, *batches[t % len(batches)])
     losses.append(loss_t)
   want = models.run_optax(tx, params, batches, 6, loss_fn=loss)
-  chex.assert_trees_all_close(
-      jax.tree.map(np.asarray, (jnp.stack(losses), *optfuse.to_optax_state(fx, p, s))),
-      jax.tree.map(np.asarray, want), **TOL)
+  criteria.assert_matches_optax((jnp.stack(losses), *optfuse.to_optax_state(fx, p, s)), want)
 
 
 def test_a_device_resident_loop_stack_is_refused_and_params_to_host_places_it():
@@ -228,12 +217,6 @@ def test_offload_params_refuses_mode_off_and_the_guard_and_says_what_runs_instea
                        match='Use guard=False with offload="params", or guard=True with '
                              'offload="state"'):
       build()
-
-
-# Microbatches: the fused step divides each microbatch's loss by k before its gradient is added
-# to the sum (optax's loop adds, then divides), one rounding per step more than one batch: the
-# tolerance of tests/fusion/test_accumulate.py, where it is measured over 20 steps.
-MICROBATCH_TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 def _optax_over_microbatches(tx, params, batches, steps, loss, k=K):
@@ -287,7 +270,7 @@ def test_microbatches_with_streamed_params_train_like_optax_over_20_steps(mode, 
   got = _train_microbatched(optfuse.fuse(tx, mode=mode, offload="params"), params, batches,
                             loss, STEPS)
   criteria.assert_matches_optax(got, _optax_over_microbatches(tx, params, batches, STEPS, loss),
-                                **MICROBATCH_TOL)
+                                **criteria.MICROBATCH)
 
 
 @pytest.mark.parametrize("mode", _matrix([("backward",), ("forward",)], {("backward",)}))
@@ -297,7 +280,7 @@ def test_microbatches_with_streamed_params_without_jit_train_like_optax(mode):
   got = _train_microbatched(optfuse.fuse(tx, mode=mode, offload="params"), params, batches,
                             loss, 3, jit=False)
   criteria.assert_matches_optax(got, _optax_over_microbatches(tx, params, batches, 3, loss),
-                                **MICROBATCH_TOL)
+                                **criteria.MICROBATCH)
 
 
 @pytest.mark.slow
@@ -314,7 +297,7 @@ def test_microbatches_of_a_checkpointed_stack_stream_like_the_step_without_them(
   assert where == optfuse.describe(fx, loss, params, *batches[0]).params
   got = _train_microbatched(fx, params, batches, loss, STEPS)
   criteria.assert_matches_optax(got, _optax_over_microbatches(tx, params, batches, STEPS, loss),
-                                **MICROBATCH_TOL)
+                                **criteria.MICROBATCH)
 
 
 def test_switching_to_device_params_and_offload_none_follows_optax():
@@ -332,9 +315,7 @@ def test_switching_to_device_params_and_offload_none_follows_optax():
   plain = optfuse.fuse(tx)
   second = models.run_steps(plain.value_and_update(loss), p, opt_state, batches[:1], 6)
   want = models.run_optax(tx, params, batches[:1], 12, loss_fn=loss)
-  chex.assert_trees_all_close(
-      jax.tree.map(np.asarray, (jnp.concatenate([first[0], second[0]]), *second[1:])),
-      jax.tree.map(np.asarray, want), **TOL)
+  criteria.assert_matches_optax((jnp.concatenate([first[0], second[0]]), *second[1:]), want)
 
 
 def test_orbax_resume_of_streamed_params_continues_the_same_trajectory(tmp_path):
@@ -353,8 +334,7 @@ def test_orbax_resume_of_streamed_params_continues_the_same_trajectory(tmp_path)
   assert _memory_kinds(p)["layers"]["w"] == "pinned_host"
   for t in range(4, 8):
     _, p, s = step(p, s, *batches[t % len(batches)])
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, (p, s)),
-                              jax.tree.map(np.asarray, straight[1:]), **TOL)
+  criteria.assert_matches_optax((p, s), straight[1:])
 
 
 # About 90 s: a subprocess on eight simulated devices compiles optax, both fused modes and
@@ -370,8 +350,8 @@ def test_sharded_streamed_params_train_like_optax_on_the_same_mesh(layout, suffi
   prefix = lambda impl: f"{layout}/{impl}{suffix}/"
   want = {k.removeprefix(prefix("optax")): v for k, v in arrays.items()
           if k.startswith(prefix("optax"))}
-  # With microbatches, the microbatch tolerance (MICROBATCH_TOL).
-  tol = MICROBATCH_TOL if suffix else TOL
+  # With microbatches, the microbatch tolerance.
+  tol = criteria.MICROBATCH if suffix else criteria.F32
   for mode in ("backward", "forward") + (() if suffix else ("backward_read",)):
     got = {k.removeprefix(prefix(mode)): v for k, v in arrays.items()
            if k.startswith(prefix(mode))}
@@ -567,7 +547,7 @@ def test_the_linen_adapters_stream_an_nn_scan_stack_and_train_like_optax(entry, 
   np.testing.assert_allclose(optfuse.streamed(_linen_loss)(state.params, *_flax_batch()),
                              _linen_loss(optfuse.params_to_device(state.params), *_flax_batch()),
                              rtol=1e-6, atol=1e-7)
-  criteria.assert_matches_optax(got, _linen_reference(tx, params, STEPS), **TOL)
+  criteria.assert_matches_optax(got, _linen_reference(tx, params, STEPS), **criteria.F32)
 
 
 def _nnx_reference(tx, steps, model_class=None, batch=None):
@@ -614,7 +594,7 @@ def test_the_nnx_optimizer_streams_an_nnx_scan_stack_and_trains_like_optax(mode,
   # The optimizer state's leaves, in one order: NNX keeps optax's tuples as States of theirs.
   criteria.assert_matches_optax((losses, params, jax.tree.leaves(opt_state)),
                                 (want_losses, want_params, jax.tree.leaves(want_opt_state)),
-                                **TOL)
+                                **criteria.F32)
 
 
 def _logits(params, tokens):

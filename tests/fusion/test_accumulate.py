@@ -13,9 +13,6 @@ from optfuse.bench import _models
 from tests import criteria, models
 from tests.fusion.test_loops import _init, scan_loss
 
-# float32 over 20 steps; the fused step divides the partial sums by k before adding them (optax
-# adds, then divides), a difference of one rounding per step.
-TOL = dict(rtol=2e-5, atol=2e-5)
 K, B, D = 4, 8, 8
 
 
@@ -62,7 +59,8 @@ def test_microbatched_step_matches_optax_manual_accumulation(mode, remat):
   params = _init(jax.random.PRNGKey(0))
   tx = optax.adamw(1e-2, weight_decay=0.1)
   ref = _manual_optax(tx, loss, params, 20, *_data())
-  criteria.assert_matches_optax(_fused(tx, loss, mode, params, 20, *_data()), ref, **TOL)
+  criteria.assert_matches_optax(_fused(tx, loss, mode, params, 20, *_data()), ref,
+                                **criteria.MICROBATCH)
 
 
 @pytest.mark.equivalence
@@ -82,8 +80,8 @@ def test_microbatched_step_matches_optax_multisteps():
     for i in range(K):
       p, s = mini_step(p, s, x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
   _, fused_params, fused_state = _fused(optax.adam(1e-2), loss, "backward", params, 10, x, y)
-  criteria.assert_matches_optax(fused_params, p, **TOL)
-  criteria.assert_matches_optax(fused_state, s.inner_opt_state, **TOL)
+  criteria.assert_matches_optax(fused_params, p, **criteria.MICROBATCH)
+  criteria.assert_matches_optax(fused_state, s.inner_opt_state, **criteria.MICROBATCH)
 
 
 def test_accumulation_fused_inside_the_layer_loop_saves_a_gradient_buffer():

@@ -30,9 +30,6 @@ from tests import criteria, models
 TINY = _models.DecoderConfig(layers=6, dim=16, heads=2, ff=32, vocab=32, seq=8, batch=2)
 WIDE = _models.DecoderConfig(layers=16, dim=64, heads=4, ff=256, vocab=64, seq=16, batch=2)
 
-# float32 forms: the fused step reorders no arithmetic inside an update, XLA contracts
-# differently inside the loop (a few ulps per step): 1e-5 is ~100 ulps of values of order 1.
-TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _optimizer(dtype: str) -> optax.GradientTransformation:
@@ -166,7 +163,7 @@ def _assert_trains_like_optax(form, mode):
   got = models.run_steps(fx.value_and_update(loss), params, fx.init(params), [batch], 20)
   got_params = fx.flush(got[1], got[2])[0]
   ref = models.run_optax(tx, params, [batch], 20, loss_fn=loss)
-  criteria.assert_matches_optax((got[0], got_params), (ref[0], ref[1]), **TOL)
+  criteria.assert_matches_optax((got[0], got_params), (ref[0], ref[1]), **criteria.F32_FLOOR)
 
 
 @pytest.mark.jax_upgrades
@@ -212,9 +209,10 @@ def test_form_trains_like_optax_over_20_steps(form, mode):
     # With clipping the global norm sums the rows' squares in another order (one float32 ulp),
     # and bf16 compute rounds that ulp into other activations some steps later: a chaos of
     # rounding whose width depends on the processor, so it is measured (models.nudge).
-    models.assert_within_reference_spread((got[0], got_params), reference, TOL, start=params)
+    models.assert_within_reference_spread((got[0], got_params), reference, criteria.F32_FLOOR,
+                                          start=params)
   else:
-    chex.assert_trees_all_close((got[0], got_params), reference(0), **TOL)
+    chex.assert_trees_all_close((got[0], got_params), reference(0), **criteria.F32_FLOOR)
 
 
 @pytest.mark.parametrize("form", [pytest.param(form, marks=() if form in _FAST_MODES

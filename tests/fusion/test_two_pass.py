@@ -17,9 +17,6 @@ from tests import criteria, models
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
 
 STEPS = 50
-# float32: the fused step runs optax's arithmetic leaf by leaf, in the same order, in another XLA
-# program. Measured after 50 steps on CPU: at most 7.2e-7 absolute; 1e-5 leaves a 10x margin.
-TOL = dict(rtol=1e-5, atol=1e-5)
 
 GLOBAL = {
     "clip_by_global_norm+adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5),
@@ -56,7 +53,8 @@ def test_two_pass_backward_matches_optax_over_50_steps(name):
     batches = [(*batch[:2], jnp.float32(1.0)) for batch in batches]
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=scaled_loss)
   got = train(optfuse.fuse(tx, mode="backward", global_ops="two_pass"), params, batches, STEPS)
-  criteria.assert_matches_optax(got, expected, **TOL)  # NaN losses compare equal to NaN
+  # NaN losses compare equal to NaN.
+  criteria.assert_matches_optax(got, expected, **criteria.F32_FLOOR)
 
 
 def test_two_pass_backward_without_jit_matches_optax_over_50_steps():
@@ -65,7 +63,7 @@ def test_two_pass_backward_without_jit_matches_optax_over_50_steps():
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=models.mlp_loss, jit=False)
   got = train(optfuse.fuse(tx, mode="backward", global_ops="two_pass"), params, batches, STEPS,
               loss_fn=models.mlp_loss, jit=False)
-  criteria.assert_matches_optax(got, expected, **TOL)
+  criteria.assert_matches_optax(got, expected, **criteria.F32_FLOOR)
 
 
 def test_two_pass_skips_nan_steps_like_optax():
@@ -132,7 +130,7 @@ def test_two_pass_of_a_scanned_model_matches_optax_over_50_steps(name):
   expected = models.run_optax(tx, params, batches, STEPS, loss_fn=scanned_loss)
   got = train(optfuse.fuse(tx, mode="backward", global_ops="two_pass"), params, batches, STEPS,
               loss_fn=scanned_loss)
-  criteria.assert_matches_optax(got, expected, **TOL)
+  criteria.assert_matches_optax(got, expected, **criteria.F32_FLOOR)
 
 
 def reversed_remat_loss(params, tokens, targets, scale):
@@ -148,7 +146,7 @@ def test_two_pass_of_a_reversed_rematerialised_scan_matches_optax_without_jit():
   expected = models.run_optax(tx, params, batches, 3, loss_fn=reversed_remat_loss, jit=False)
   got = train(optfuse.fuse(tx, mode="backward", global_ops="two_pass"), params, batches, 3,
               loss_fn=reversed_remat_loss, jit=False)
-  criteria.assert_matches_optax(got, expected, **TOL)
+  criteria.assert_matches_optax(got, expected, **criteria.F32_FLOOR)
 
 
 def test_two_pass_on_a_scanned_model_peaks_below_optax_with_clipping():
@@ -183,10 +181,6 @@ ACC_STEPS = 20
 # Step t puts a NaN in microbatch t % k: with k = 2 and 4 that is the last microbatch on step 3
 # and an earlier one on the others; either poisons the accumulated sum.
 ACC_NAN_STEPS = {3, 4, 17, 18}
-# float32 over 20 steps; the fused step sums the gradients of loss / k where optax sums those of
-# the loss and divides by k. Measured on CPU: at most 4.8e-7 absolute (one ulp of the losses,
-# about 4.0); 5e-6 leaves a 10x margin.
-ACC_TOL = dict(rtol=5e-6, atol=5e-6)
 
 
 def example_scaled_loss(params, tokens, targets, scale):
@@ -221,7 +215,8 @@ def test_two_pass_with_microbatches_matches_optax_accumulation_over_20_steps(nam
   nans = "apply_if_finite" in name
   expected, got = train_accumulated(ACCUMULATE[name](), k, models.tied_lm_params(),
                                     accumulation_batches(k, nans), ACC_STEPS)
-  criteria.assert_matches_optax(got, expected, **ACC_TOL)  # NaN losses compare equal to NaN
+  # NaN losses compare equal to NaN.
+  criteria.assert_matches_optax(got, expected, **criteria.TWO_PASS_MICROBATCH)
   if nans:
     # One NaN example poisons the mean gradient: the whole step is skipped, as optax does.
     assert int(got[2].total_notfinite) == len(ACC_NAN_STEPS)
@@ -233,7 +228,7 @@ def test_two_pass_with_microbatches_without_jit_matches_optax_accumulation():
   tx = ACCUMULATE["clip_by_global_norm+adamw"]()
   expected, got = train_accumulated(tx, 2, models.tied_lm_params(),
                                     accumulation_batches(2, nans=False), 3, jit=False)
-  criteria.assert_matches_optax(got, expected, **ACC_TOL)
+  criteria.assert_matches_optax(got, expected, **criteria.TWO_PASS_MICROBATCH)
 
 
 def mlp_case():
@@ -253,7 +248,7 @@ def test_two_pass_with_microbatches_of_unrolled_and_scanned_models_matches_optax
   params, batches, loss = case()
   expected, got = train_accumulated(ACCUMULATE["clip_by_global_norm+adamw"](), 2, params,
                                     batches, 10, loss_fn=loss)
-  criteria.assert_matches_optax(got, expected, **ACC_TOL)
+  criteria.assert_matches_optax(got, expected, **criteria.TWO_PASS_MICROBATCH)
 
 
 def test_two_pass_accumulation_holds_the_accumulator_not_a_second_gradient_tree():
