@@ -18,13 +18,16 @@ from optfuse._base import _checks, _leaves
 from optfuse._base._options import FuseOptions
 from optfuse._engines._engine import Placed, PlacedStep, microbatched
 from optfuse._fusion import _accumulate, _fused_step, _loops
-from optfuse._plan import _make
+from optfuse._plan import _make, _row_checks
 from optfuse._plan._plan import Plan, PlanCache
 from optfuse._targets._backends import loop_policy
 
 # ``(leaf, why)`` pairs, sorted: fused leaves kept out of every loop (``Plan.refused``), which
 # the memory guard (``_guard.GuardedEngine``) taps.
 Refused = tuple[tuple[int, str], ...]
+
+# What a reason adds when two-pass backward would update the leaf in the loop.
+TWO_PASS_HINT = "use global_ops='two_pass' to compute it in a first sweep"
 
 
 class BackwardEngine:
@@ -57,7 +60,24 @@ class BackwardEngine:
     out = _fused_step.value_and_update(self.plan(params, state, refused), loop_policy(),
                                        loss_fn, has_aux, params, state, args, kwargs,
                                        loop_plan=loop_plan)
-    return out, Placed(dict.fromkeys(loop_plan.fused_leaves, "loop"), dict(loop_plan.reasons))
+    return out, Placed(dict.fromkeys(loop_plan.fused_leaves, "loop"),
+                       self.reasons(loop_plan, params, state))
+
+  def reasons(self, loop_plan: _loops.LoopPlan, params, state) -> dict[int, str]:
+    """Why each stacked leaf is not fused, saying where two-pass backward would fuse it: a
+    leaf whose update reads norms over the whole leaf, which its first sweep computes."""
+    reasons = dict(loop_plan.reasons)
+    mixing = [i for i, why in reasons.items() if why.startswith(_row_checks.MIXES_ROWS)]
+    if not mixing:
+      return reasons
+    two_pass = _make.make_plan(self.tx, params, state, global_handling="if_needed")
+    if two_pass.stats is None or two_pass.global_outs:
+      return reasons
+    param_leaves, state_leaves = two_pass.params_def.flatten_up_to(params), jax.tree.leaves(state)
+    for i in mixing:
+      if two_pass.rowwise(i, state_leaves, param_leaves, loop_plan.stacked[i], stats=True):
+        reasons[i] += f"; {TWO_PASS_HINT}"
+    return reasons
 
   def unchecked(self, loss_fn: Callable, has_aux: bool, microbatches: int,
                 refused: Refused = ()) -> PlacedStep:

@@ -199,6 +199,9 @@ class TwoPassEngine(_backward.BackwardEngine):
   def make_plan(self, params, state) -> Plan:
     return _make.make_plan(self.tx, params, state, global_handling="if_needed")
 
+  def reasons(self, loop_plan: _loops.LoopPlan, params, state) -> dict[int, str]:
+    return dict(loop_plan.reasons)
+
   def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict,
             refused: _backward.Refused = ()) -> tuple[tuple, Placed]:
     plan = self.plan(params, state, refused)

@@ -7,7 +7,7 @@ from typing import Literal
 import optax
 
 from optfuse._base._errors import NonSeparableError
-from optfuse._plan import _global_stage, _separable
+from optfuse._plan import _global_stage, _leaf_stats, _separable
 from optfuse._plan._plan import Plan
 
 # What a mode does with a global stage (clipping, ``apply_if_finite``):
@@ -53,8 +53,10 @@ def make_plan(tx: optax.GradientTransformation, params, state,
     return _separable.make_plan(tx, params, state, traced)
   if global_handling == "if_needed":
     try:
-      return _separable.make_plan(tx, params, state, traced)
+      separable = _separable.make_plan(tx, params, state, traced)
     except NonSeparableError:
       pass
+    else:
+      return _leaf_stats.make_leaf_stats_plan(traced, separable) or separable
   return _global_stage.make_global_plan(tx, params, state, two_pass=global_handling != "tree",
                                         traced=traced)

@@ -12,6 +12,7 @@ from typing import Any
 import optax
 
 from optfuse._jaxpr import _interpreter, _rows
+from optfuse._jaxpr._rows import take_row
 from optfuse._plan._fields import slots_only
 
 
@@ -132,12 +133,16 @@ class Runners:
     Raises:
       NotRowwise: a statistic is not a reduction over the whole stacked leaf.
     """
-    n = self.num_params
+    n, own = self.num_params, self.groups[i].state_outs
     grads = [None] * n
     grads[i] = grad_row
     flat = [*self.consts, *grads, *state, *params]
-    is_row = [False] * len(self.consts) + [j == i for j in range(n)] + [False] * (
-        self.num_state + n)
+    # The leaf's param and slots are given whole: their rows are taken where a statistic reads
+    # them (a trust ratio's norm of the param, of Adam's update).
+    is_row = ([False] * len(self.consts) + [j == i for j in range(n)]
+              + [k in own for k in range(self.num_state)] + [j == i for j in range(n)])
+    flat = [take_row(x, index, length, axis) if r and x is not None and j >= len(self.consts) + n
+            else x for j, (x, r) in enumerate(zip(flat, is_row))]
     used = list(zip(flat, is_row, self.stats.stat_reads[i], strict=True))
     args, rows = [x for x, _, r in used if r], [row for _, row, r in used if r]
     return _rows.evaluate_row_reductions(self.stats.stat_jaxprs[i], args, rows, index, length,
