@@ -135,12 +135,17 @@ def test_two_pass_of_a_scanned_model_matches_optax_over_50_steps(name):
   criteria.assert_matches_optax(got, expected, **TOL)
 
 
-# Whole-leaf statistics: LAMB's and LARS's trust ratios take norms over every layer of a stacked
-# leaf. Under two-pass backward the first loop reduces each row's share of the norms (of the
-# param, and of Adam's update computed from the row without writing it), the second updates.
+# Whole-leaf statistics: LAMB's and LARS's trust ratios, Adafactor's block RMS and parameter
+# scale take norms over every layer of a stacked leaf. Under two-pass backward the first loop
+# reduces each row's share of the norms (of the param, and of Adam's update computed from the
+# row without writing it), the second updates.
 LEAF_STATS = {
     "lamb": lambda: optax.lamb(1e-2, weight_decay=1e-2),
     "lars": lambda: optax.lars(1e-2),
+    "clip_by_block_rms+adam": lambda: optax.chain(optax.clip_by_block_rms(1.0),
+                                                  optax.adam(1e-2)),
+    # Width 16: no two axes of min_dim_size_to_factor, so every moment is stacked like its leaf.
+    "adafactor": lambda: optax.adafactor(1e-2),
 }
 LEAF_STATS_STEPS = 20
 
@@ -189,7 +194,7 @@ def test_two_pass_with_whole_leaf_norms_of_a_scanned_model_matches_optax_over_20
 @pytest.mark.parametrize("name", LEAF_STATS)
 def test_two_pass_with_whole_leaf_norms_rejects_a_one_percent_learning_rate_error(name):
   # The check above must fail for an update 1 % too large, by REJECTED_BY tolerances at least
-  # (measured on CPU after 20 steps: LAMB 141, LARS 56).
+  # (measured on CPU after 20 steps: LAMB 141, LARS 56, block RMS 190, Adafactor 97).
   got = train_leaf_stats(faults.lr_off(LEAF_STATS[name]()))
   distance, _ = criteria.matches_optax_distance(got, leaf_stats_reference(name), **TOL)
   assert distance >= criteria.REJECTED_BY
