@@ -200,6 +200,17 @@ def test_two_pass_with_whole_leaf_norms_rejects_a_one_percent_learning_rate_erro
   assert distance >= criteria.REJECTED_BY
 
 
+def test_two_pass_with_whole_leaf_norms_of_an_unscanned_model_matches_optax():
+  # No stacked leaf to update in a loop: the norms are computed at the taps, in one pass.
+  tx = LEAF_STATS["lamb"]
+  params = models.tied_lm_params()
+  batches = [(*batch, jnp.float32(1.0)) for batch in models.tied_lm_batches()]
+  expected = models.run_optax(tx(), params, batches, LEAF_STATS_STEPS, loss_fn=scaled_loss)
+  got = train(optfuse.fuse(tx(), mode="backward", global_ops="two_pass"), params, batches,
+              LEAF_STATS_STEPS)
+  criteria.assert_matches_optax(got, expected, **TOL)
+
+
 def reversed_remat_loss(params, tokens, targets, scale):
   body = jax.checkpoint(lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None))
   h, _ = jax.lax.scan(body, params["embed"][tokens], params["layers"], reverse=True)
