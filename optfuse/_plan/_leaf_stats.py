@@ -28,6 +28,7 @@ other shape of update, is left to the separable plan (``None``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -184,6 +185,34 @@ def _find(flat: jcore.Jaxpr, labels: _Labels) -> list[_Reduction] | None:
   return found
 
 
+def _spec(v) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+
+
+def _leaf_statistics(flat: jcore.Jaxpr, reductions: Sequence[_Reduction], *args) -> list:
+  """One leaf's statistics from the flat update's inputs: each full reduction, once per
+  assignment of its flags."""
+  return [_run(flat, r.flags, [r.out],
+               [*args, *(jnp.full(f.aval.shape, a) for f, a in zip(r.flags, bits))])[0]
+          for r in reductions for bits in itertools.product([False, True], repeat=len(r.flags))]
+
+
+def _combine(flat: jcore.Jaxpr, reductions: Sequence[_Reduction], cuts: Sequence, *args
+             ) -> list:
+  """The cuts from the flat update's inputs and every leaf's statistics (``reductions`` in
+  leaf order): the flags from the first reductions, then each reduction's chosen variant."""
+  flat_in, stats = args[:len(flat.invars)], list(args[len(flat.invars):])
+  variants = {}
+  for r in reductions:
+    variants[r.out], stats = stats[:2 ** len(r.flags)], stats[2 ** len(r.flags):]
+  first = [r.out for r in reductions if not r.flags]
+  flags = list(dict.fromkeys(f for r in reductions for f in r.flags))
+  flag_values = dict(zip(flags, _run(flat, first, flags,
+                                     [*flat_in, *(variants[v][0] for v in first)])))
+  chosen = [_choose(variants[r.out], [flag_values[f] for f in r.flags]) for r in reductions]
+  return _run(flat, [r.out for r in reductions], cuts, [*flat_in, *chosen])
+
+
 def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
   """``plan`` (separable) with each leaf's full reductions cut out as statistics.
 
@@ -214,42 +243,16 @@ def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
   producer = {v: k for k, e in enumerate(flat.eqns) for v in e.outvars}
   group_outs = [[outs[g.leaf], *(outs[n + k] for k in g.state_outs)] for g in plan.groups]
   cuts = list(dict.fromkeys(v for o in group_outs for v in _reached(labels, producer, flat, o)))
-  specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+  specs = [_spec(v) for v in invars]
   by_leaf = [[r for r in reductions if r.leaf == i] for i in range(n)]
-  stat_jaxprs, stat_reads, stat_avals = [], [], []
-  for leaf_reductions in by_leaf:
-    def stats_fn(*args, leaf_reductions=leaf_reductions):
-      return [_run(flat, r.flags, [r.out], [*args, *(jnp.full(f.aval.shape, a)
-                                                     for f, a in zip(r.flags, bits))])[0]
-              for r in leaf_reductions
-              for bits in itertools.product([False, True], repeat=len(r.flags))]
-
-    traced_stats = _traced(stats_fn, specs)
-    if traced_stats is None:
-      return None
-    stat_jaxprs.append(traced_stats[0])
-    stat_reads.append(tuple(traced_stats[1]))
-    stat_avals.append(tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                            for v in traced_stats[0].outvars))
+  stat_parts = [_traced(functools.partial(_leaf_statistics, flat, rs), specs) for rs in by_leaf]
+  if any(part is None for part in stat_parts):
+    return None
+  stat_avals = [tuple(_spec(v) for v in jaxpr.outvars) for jaxpr, _ in stat_parts]
   if not all(jnp.issubdtype(a.dtype, jnp.floating) for s in stat_avals for a in s):
     return None
-  flat_stat_avals = [a for s in stat_avals for a in s]
-  first = [r.out for r in reductions if not r.flags]
-
-  def combine_fn(*args):
-    flat_in, stats = args[:len(invars)], list(args[len(invars):])
-    values = {}
-    for leaf_reductions in by_leaf:
-      for r in leaf_reductions:
-        values[r.out] = stats[:2 ** len(r.flags)]
-        del stats[:2 ** len(r.flags)]
-    flags = list(dict.fromkeys(f for r in reductions for f in r.flags))
-    flag_values = dict(zip(flags, _run(flat, first, flags, [*flat_in,
-                                                            *(values[v][0] for v in first)])))
-    chosen = [_choose(values[r.out], [flag_values[f] for f in r.flags]) for r in reductions]
-    return _run(flat, [r.out for r in reductions], cuts, [*flat_in, *chosen])
-
-  traced_combine = _traced(combine_fn, [*specs, *flat_stat_avals])
+  combine_fn = functools.partial(_combine, flat, [r for rs in by_leaf for r in rs], cuts)
+  traced_combine = _traced(combine_fn, [*specs, *(a for s in stat_avals for a in s)])
   if traced_combine is None:
     return None
   combine, combine_reads = traced_combine
@@ -263,9 +266,9 @@ def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
       _interpreter.new_jaxpr(invars, cuts, flat.eqns, like=flat), [True] * len(cuts))
   shared_jaxpr, shared_reads = _interpreter.prune(
       flat, [False] * n + [k in plan.shared_outs for k in range(m)])
-  stats = StatsPlan(tuple(stat_avals), tuple(stat_jaxprs), tuple(stat_reads), combine,
-                    tuple(combine_reads))
+  stats = StatsPlan(tuple(stat_avals), tuple(j for j, _ in stat_parts),
+                    tuple(tuple(r) for _, r in stat_parts), combine, tuple(combine_reads))
   return Plan(params_def, state_def, n, m, tuple(consts), tuple(groups), plan.shared_outs,
               shared_jaxpr, tuple(shared_reads),
-              cuts=tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in cuts),
+              cuts=tuple(_spec(v) for v in cuts),
               global_jaxpr=global_jaxpr, global_reads=tuple(global_reads), stats=stats)

@@ -15,7 +15,8 @@ from optfuse._plan._plan import Plan
 # - "tree": a global stage computed once from the gradient tree (forward fusion);
 # - "per_leaf": the global stage split into per-leaf statistics and a combine step, which a
 #   backward pass or a row loop can carry (forward fusion with the pending gradient on host);
-# - "if_needed": separable where the transform is, per-leaf statistics otherwise (two-pass).
+# - "if_needed": per-leaf statistics where the transform is global, or where its update of a leaf
+#   reads norms over the whole leaf (``_leaf_stats``), separable otherwise (two-pass).
 GlobalHandling = Literal["refuse", "tree", "per_leaf", "if_needed"]
 
 
