@@ -191,6 +191,11 @@ def _finish(plan: Plan, new_params: dict, new_slots: dict, fired: set, param_lea
   return params_out, plan.new_state(state_leaves, param_leaves, slots_out, global_state)
 
 
+def _reads_cuts(plan: Plan, i: int) -> bool:
+  """Whether leaf ``i``'s update reads the cuts (its group's last inputs)."""
+  return any(plan.groups[i].reads[len(plan.consts) + 2 * plan.num_params + plan.num_state:])
+
+
 class TwoPassEngine(_backward.BackwardEngine):
   """``mode="backward", global_ops="two_pass"``: backward fusion of global transforms, and of
   norms over whole stacked leaves; a separable transform runs the one-pass backward step, unless
@@ -201,7 +206,7 @@ class TwoPassEngine(_backward.BackwardEngine):
   def __init__(self, tx, options):
     super().__init__(tx, options)
     # A separable transform whose updates read norms over whole leaves (LAMB) needs the first
-    # pass only for a stacked leaf it updates in a loop; without one, one pass computes them.
+    # pass only for a stacked leaf whose loop reads them; without one, one pass computes them.
     self.one_pass = _backward.BackwardEngine(tx, options)
 
   def separable(self, params, state) -> bool:
@@ -223,7 +228,8 @@ class TwoPassEngine(_backward.BackwardEngine):
     if plan.is_separable:
       return super().fused(loss_fn, has_aux, params, state, args, kwargs, refused)
     loop_plan = self.analyze(loss_fn, params, state, args, kwargs, refused)
-    if not loop_plan.fused_leaves and self.separable(params, state):
+    loop_reads_cuts = any(_reads_cuts(plan, i) for i in loop_plan.fused_leaves)
+    if not loop_reads_cuts and self.separable(params, state):
       return self.one_pass.fused(loss_fn, has_aux, params, state, args, kwargs, refused)
     return (value_and_update(plan, loop_policy(), loss_fn, has_aux, params, state, args, kwargs,
                              loop_plan),
