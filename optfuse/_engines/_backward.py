@@ -18,7 +18,7 @@ from optfuse._base import _checks, _leaves
 from optfuse._base._options import FuseOptions
 from optfuse._engines._engine import Placed, PlacedStep, microbatched
 from optfuse._fusion import _accumulate, _fused_step, _loops
-from optfuse._plan import _make, _row_checks
+from optfuse._plan import _make
 from optfuse._plan._plan import Plan, PlanCache
 from optfuse._targets._backends import loop_policy
 
@@ -65,16 +65,19 @@ class BackwardEngine:
 
   def reasons(self, loop_plan: _loops.LoopPlan, params, state) -> dict[int, str]:
     """Why each stacked leaf is not fused, saying where two-pass backward would fuse it: a
-    leaf whose update reads norms over the whole leaf, which its first sweep computes."""
+    leaf refused for its update (it mixes rows, its state is not stacked like it) that reads
+    norms over the whole leaf, which two-pass computes in its first sweep."""
     reasons = dict(loop_plan.reasons)
-    mixing = [i for i, why in reasons.items() if why.startswith(_row_checks.MIXES_ROWS)]
-    if not mixing:
+    plan = self.plan(params, state)
+    param_leaves, state_leaves = plan.params_def.flatten_up_to(params), jax.tree.leaves(state)
+    refused_rows = [i for i, why in reasons.items() if i in loop_plan.stacked and why ==
+                    plan.row_refusal(i, state_leaves, param_leaves, loop_plan.stacked[i])]
+    if not refused_rows:
       return reasons
     two_pass = _make.make_plan(self.tx, params, state, global_handling="if_needed")
-    if two_pass.stats is None or two_pass.global_outs:
+    if two_pass.stats is None:
       return reasons
-    param_leaves, state_leaves = two_pass.params_def.flatten_up_to(params), jax.tree.leaves(state)
-    for i in mixing:
+    for i in refused_rows:
       if two_pass.rowwise(i, state_leaves, param_leaves, loop_plan.stacked[i], stats=True):
         reasons[i] += f"; {TWO_PASS_HINT}"
     return reasons

@@ -50,6 +50,32 @@ def _is_var(atom) -> bool:
   return not isinstance(atom, jcore.Literal)
 
 
+def _reduces(jaxpr: jcore.Jaxpr) -> bool:
+  """Whether ``jaxpr`` or a jaxpr inside it runs a reduction that may be a full one."""
+  return any(_interpreter.primitive_of(e) in _FULL_REDUCTIONS
+             or any(_reduces(sub) for sub in _interpreter.inner_jaxprs(e)) for e in jaxpr.eqns)
+
+
+class _Flattener(_global_stage._Flattener):
+  """``_global_stage``'s flattener that also inlines a ``cond`` whose branches reduce, its
+  outputs chosen with ``select_n`` (novograd's first-step ``cond`` around its per-leaf norm):
+  the reductions must be top-level equations to become statistics."""
+
+  def split_cond(self, eqn, ins) -> list:
+    if eqn.effects or not any(_reduces(b.jaxpr) for b in _interpreter.cond_branches(eqn)):
+      return super().split_cond(eqn, ins)
+    index, ops = ins[0], ins[1:]
+    chosen = [self.inline(b.jaxpr, b.consts, ops) for b in _interpreter.cond_branches(eqn)]
+    outs = [jcore.Var(v.aval) for v in eqn.outvars]
+    for k, out in enumerate(outs):
+      cases = [c[k] for c in chosen]
+      self.emit(jcore.new_jaxpr_eqn([index, *cases], [out], P.select_n_p, {}, jcore.no_effects),
+                self.dep(index).union(*(self.dep(c) for c in cases)))
+    return outs
+
+  rules = {**_global_stage._Flattener.rules, P.cond_p: split_cond}
+
+
 class _Reduction(NamedTuple):
   """A full reduction of one leaf's rows.
 
@@ -227,21 +253,38 @@ def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
     not split so.
   """
   closed, params_def, state_def, n, m, _ = traced
-  no_deps = _global_stage.Deps()
-  flat, consts, _ = _global_stage._flatten(closed, [no_deps] * (2 * n + m))
+  flattener = _Flattener()
+  top = closed.jaxpr
+  # Labelled by leaf, so that a ``cond`` over the whole tree splits into one per leaf.
+  owner = {k: g.leaf for g in plan.groups for k in g.state_outs}
+  leaf_of = [*range(n), *(owner.get(k) for k in range(m)), *range(n)]
+  flattener.deps.update((v, _global_stage.Deps() if i is None else _global_stage.Deps([i]))
+                        for v, i in zip(top.invars, leaf_of))
+  outvars = flattener.inline(top, closed.consts, top.invars)
+  flat = _interpreter.new_jaxpr([*flattener.constvars, *top.invars], outvars, flattener.eqns,
+                                like=top)
+  consts = flattener.consts
   c, invars, outs = len(consts), flat.invars, flat.outvars
   row_inputs = {}
   for g in plan.groups:
     row_inputs[invars[c + g.leaf]] = row_inputs[invars[c + n + m + g.leaf]] = g.leaf
-    row_inputs.update((invars[c + n + k], g.leaf) for k in g.state_outs)
+    # A slot shaped like its param has rows; another (novograd's scalar second moment) is read
+    # whole, and where its new value is a statistic's the combine step writes it.
+    row_inputs.update((invars[c + n + k], g.leaf) for k in g.state_outs
+                      if invars[c + n + k].aval.shape == invars[c + g.leaf].aval.shape)
   labels = _label(flat, row_inputs)
   if labels is None or not labels.reductions:
+    return None
+  global_outs = tuple(k for g in plan.groups for k in g.state_outs
+                      if outs[n + k] in labels.uniform)
+  if any(invars[c + n + k] in row_inputs for k in global_outs):
     return None
   reductions = _find(flat, labels)
   if reductions is None:
     return None
   producer = {v: k for k, e in enumerate(flat.eqns) for v in e.outvars}
-  group_outs = [[outs[g.leaf], *(outs[n + k] for k in g.state_outs)] for g in plan.groups]
+  slots_of = [tuple(k for k in g.state_outs if k not in global_outs) for g in plan.groups]
+  group_outs = [[outs[g.leaf], *(outs[n + k] for k in ks)] for g, ks in zip(plan.groups, slots_of)]
   cuts = list(dict.fromkeys(v for o in group_outs for v in _reached(labels, producer, flat, o)))
   specs = [_spec(v) for v in invars]
   by_leaf = [[r for r in reductions if r.leaf == i] for i in range(n)]
@@ -251,7 +294,9 @@ def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
   stat_avals = [tuple(_spec(v) for v in jaxpr.outvars) for jaxpr, _ in stat_parts]
   if not all(jnp.issubdtype(a.dtype, jnp.floating) for s in stat_avals for a in s):
     return None
-  combine_fn = functools.partial(_combine, flat, [r for rs in by_leaf for r in rs], cuts)
+  global_state = [outs[n + k] for k in global_outs]
+  combine_fn = functools.partial(_combine, flat, [r for rs in by_leaf for r in rs],
+                                 [*cuts, *global_state])
   traced_combine = _traced(combine_fn, [*specs, *(a for s in stat_avals for a in s)])
   if traced_combine is None:
     return None
@@ -259,11 +304,13 @@ def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
   if any(r for v, r in zip(invars, combine_reads) if v in row_inputs):
     return None
   groups = []
-  for g, o in zip(plan.groups, group_outs):
+  for g, ks, o in zip(plan.groups, slots_of, group_outs):
     jaxpr, reads = _with_inputs(flat, cuts, o)
-    groups.append(LeafGroup(g.leaf, g.state_outs, jaxpr, tuple(reads), any(reads[c:c + n])))
+    groups.append(LeafGroup(g.leaf, ks, jaxpr, tuple(reads), any(reads[c:c + n])))
+  global_outvars = [*cuts, *global_state]
   global_jaxpr, global_reads = _interpreter.prune(
-      _interpreter.new_jaxpr(invars, cuts, flat.eqns, like=flat), [True] * len(cuts))
+      _interpreter.new_jaxpr(invars, global_outvars, flat.eqns, like=flat),
+      [True] * len(global_outvars))
   shared_jaxpr, shared_reads = _interpreter.prune(
       flat, [False] * n + [k in plan.shared_outs for k in range(m)])
   stats = StatsPlan(tuple(stat_avals), tuple(j for j, _ in stat_parts),
@@ -271,4 +318,5 @@ def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
   return Plan(params_def, state_def, n, m, tuple(consts), tuple(groups), plan.shared_outs,
               shared_jaxpr, tuple(shared_reads),
               cuts=tuple(_spec(v) for v in cuts),
-              global_jaxpr=global_jaxpr, global_reads=tuple(global_reads), stats=stats)
+              global_outs=global_outs, global_jaxpr=global_jaxpr,
+              global_reads=tuple(global_reads), stats=stats)

@@ -146,6 +146,8 @@ LEAF_STATS = {
                                                   optax.adam(1e-2)),
     # Width 16: no two axes of min_dim_size_to_factor, so every moment is stacked like its leaf.
     "adafactor": lambda: optax.adafactor(1e-2),
+    # Its second moment is one scalar per leaf, a statistic the combine step writes.
+    "novograd": lambda: optax.novograd(1e-2),
 }
 LEAF_STATS_STEPS = 20
 
@@ -194,7 +196,8 @@ def test_two_pass_with_whole_leaf_norms_of_a_scanned_model_matches_optax_over_20
 @pytest.mark.parametrize("name", LEAF_STATS)
 def test_two_pass_with_whole_leaf_norms_rejects_a_one_percent_learning_rate_error(name):
   # The check above must fail for an update 1 % too large, by REJECTED_BY tolerances at least
-  # (measured on CPU after 20 steps: LAMB 141, LARS 56, block RMS 190, Adafactor 97).
+  # (measured on CPU after 20 steps: LAMB 141, LARS 56, block RMS 190, Adafactor 97,
+  # novograd 752).
   got = train_leaf_stats(faults.lr_off(LEAF_STATS[name]()))
   distance, _ = criteria.matches_optax_distance(got, leaf_stats_reference(name), **TOL)
   assert distance >= criteria.REJECTED_BY

@@ -22,6 +22,7 @@ WHOLE_LEAF = {
     "lamb": lambda: optax.lamb(1e-2, weight_decay=1e-2),
     "lars": lambda: optax.lars(1e-2),
     "clip_by_block_rms+adam": lambda: optax.chain(optax.clip_by_block_rms(1.0), optax.adam(1e-2)),
+    "novograd": lambda: optax.novograd(1e-2),
 }
 
 
@@ -69,6 +70,14 @@ def test_rows_partial_statistics_combine_into_the_whole_leaf_statistics(name):
       got = [v for v, _ in partials] if got is None else [
           _rows.ROW_COMBINE[r].combine(a, v) for a, (v, r) in zip(got, partials)]
     chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_novograd_second_moment_is_written_by_the_combine_step():
+  tx, params = WHOLE_LEAF["novograd"](), _tree(0)
+  plan = _plan(tx, params)
+  # nu, one scalar per leaf, is state of the global stage; mu stays with its leaf's rows.
+  assert [jnp.shape(jax.tree.leaves(tx.init(params))[k]) for k in plan.global_outs] == [(), ()]
+  assert all(len(g.state_outs) == 1 for g in plan.groups)
 
 
 def test_an_update_without_whole_leaf_norms_keeps_its_separable_plan():
