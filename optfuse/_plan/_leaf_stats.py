@@ -18,6 +18,11 @@ with the leaf's own full reductions in the place of the reduction over all leave
 * the leaf's *group* computes its update and state from its rows and the cuts, row by row in
   the second pass.
 
+A leaf's state slot that is not shaped like the leaf (novograd's second moment, one scalar) is
+read whole, not by rows, and where its new value is computed from statistics the combine step
+writes it (the plan's ``global_outs``). A ``cond`` whose branches reduce (novograd's first-step
+``cond``) is inlined, its outputs chosen with ``select_n``, so that its reductions are seen.
+
 A full reduction may read a value that itself depends on an earlier one: optax's
 ``safe_norm`` takes the norm of ``where(norm(x) <= 0, 1, x)``. Its first reduction is known
 only after the first pass, so the second is reduced for both values of the flag it reads (a

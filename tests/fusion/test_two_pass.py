@@ -136,9 +136,9 @@ def test_two_pass_of_a_scanned_model_matches_optax_over_50_steps(name):
 
 
 # Whole-leaf statistics: LAMB's and LARS's trust ratios, Adafactor's block RMS and parameter
-# scale take norms over every layer of a stacked leaf. Under two-pass backward the first loop
-# reduces each row's share of the norms (of the param, and of Adam's update computed from the
-# row without writing it), the second updates.
+# scale, novograd's second moment take norms over every layer of a stacked leaf. Under two-pass
+# backward the first loop reduces each row's share of the norms (of the param, and of Adam's
+# update computed from the row without writing it), the second updates.
 LEAF_STATS = {
     "lamb": lambda: optax.lamb(1e-2, weight_decay=1e-2),
     "lars": lambda: optax.lars(1e-2),
