@@ -335,6 +335,14 @@ def test_two_pass_with_microbatches_of_unrolled_and_scanned_models_matches_optax
   criteria.assert_matches_optax(got, expected, **ACC_TOL)
 
 
+@pytest.mark.parametrize("name", ["lamb", "novograd"])
+def test_two_pass_with_whole_leaf_norms_and_microbatches_matches_optax_accumulation(name):
+  # The accumulated gradient exists whole: its whole-leaf norms are read from it, after the loop.
+  params, batches, loss = scanned_case()
+  expected, got = train_accumulated(LEAF_STATS[name](), 2, params, batches, 10, loss_fn=loss)
+  criteria.assert_matches_optax(got, expected, **ACC_TOL)
+
+
 def test_two_pass_accumulation_holds_the_accumulator_not_a_second_gradient_tree():
   layers, width = 16, 256
   params = {f"w{i}": jax.ShapeDtypeStruct((width, width), jnp.float32) for i in range(layers)}
