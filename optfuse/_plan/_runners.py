@@ -137,14 +137,14 @@ class Runners:
     grads = [None] * n
     grads[i] = grad_row
     flat = [*self.consts, *grads, *state, *params]
-    # The leaf's param and slots are given whole: their rows are taken where a statistic reads
-    # them (a trust ratio's norm of the param, of Adam's update).
     is_row = ([False] * len(self.consts) + [j == i for j in range(n)]
               + [k in own for k in range(self.num_state)] + [j == i for j in range(n)])
-    flat = [take_row(x, index, length, axis) if r and x is not None and j >= len(self.consts) + n
-            else x for j, (x, r) in enumerate(zip(flat, is_row))]
-    used = list(zip(flat, is_row, self.stats.stat_reads[i], strict=True))
-    args, rows = [x for x, _, r in used if r], [row for _, row, r in used if r]
+    # The leaf's param and slots are given whole: their rows are taken where a statistic reads
+    # them (a trust ratio's norm of the param, of Adam's update).
+    whole = [j >= len(self.consts) + n for j in range(len(flat))]
+    used = list(zip(flat, is_row, whole, self.stats.stat_reads[i], strict=True))
+    args = [take_row(x, index, length, axis) if row and w else x for x, row, w, r in used if r]
+    rows = [row for _, row, _, r in used if r]
     return _rows.evaluate_row_reductions(self.stats.stat_jaxprs[i], args, rows, index, length,
                                          axis=axis)
 
