@@ -26,6 +26,9 @@ from optfuse._targets._backends import loop_policy
 # the memory guard (``_guard.GuardedEngine``) taps.
 Refused = tuple[tuple[int, str], ...]
 
+# What a reason adds when two-pass backward would update the leaf in the loop.
+TWO_PASS_HINT = "use global_ops='two_pass' to compute it in a first sweep"
+
 
 class BackwardEngine:
   """``mode="backward"``: leaves placed "loop" (inside a scan's backward loop) or "tap"."""
@@ -57,7 +60,27 @@ class BackwardEngine:
     out = _fused_step.value_and_update(self.plan(params, state, refused), loop_policy(),
                                        loss_fn, has_aux, params, state, args, kwargs,
                                        loop_plan=loop_plan)
-    return out, Placed(dict.fromkeys(loop_plan.fused_leaves, "loop"), dict(loop_plan.reasons))
+    return out, Placed(dict.fromkeys(loop_plan.fused_leaves, "loop"),
+                       self.reasons(loop_plan, params, state))
+
+  def reasons(self, loop_plan: _loops.LoopPlan, params, state) -> dict[int, str]:
+    """Why each stacked leaf is not fused, saying where two-pass backward would fuse it: a
+    leaf refused for its update (it mixes rows, its state is not stacked like it) that reads
+    norms over the whole leaf, which two-pass computes in its first sweep."""
+    reasons = dict(loop_plan.reasons)
+    plan = self.plan(params, state)
+    param_leaves, state_leaves = plan.params_def.flatten_up_to(params), jax.tree.leaves(state)
+    refused_rows = [i for i, why in reasons.items() if i in loop_plan.stacked and why ==
+                    plan.row_refusal(i, state_leaves, param_leaves, loop_plan.stacked[i])]
+    if not refused_rows:
+      return reasons
+    two_pass = _make.make_plan(self.tx, params, state, global_handling="if_needed")
+    if two_pass.stats is None:
+      return reasons
+    for i in refused_rows:
+      if two_pass.rowwise(i, state_leaves, param_leaves, loop_plan.stacked[i], stats=True):
+        reasons[i] += f"; {TWO_PASS_HINT}"
+    return reasons
 
   def unchecked(self, loss_fn: Callable, has_aux: bool, microbatches: int,
                 refused: Refused = ()) -> PlacedStep:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from optfuse._base import _leaves
 from optfuse._base._checks import check_loss
+from optfuse._base._errors import NonSeparableError
 from optfuse._engines import _backward
 from optfuse._engines._engine import Placed
 from optfuse._fusion import _loops
@@ -184,14 +185,36 @@ def _finish(plan: Plan, new_params: dict, new_slots: dict, param_leaves: list,
   return params_out, plan.new_state(state_leaves, param_leaves, slots_out, global_state)
 
 
+def _reads_cuts(plan: Plan, i: int) -> bool:
+  """Whether leaf ``i``'s update reads the cuts (its group's last inputs)."""
+  return any(plan.groups[i].reads[len(plan.consts) + 2 * plan.num_params + plan.num_state:])
+
+
 class TwoPassEngine(_backward.BackwardEngine):
-  """``mode="backward", global_ops="two_pass"``: backward fusion of global transforms; a
-  separable transform runs the one-pass backward step."""
+  """``mode="backward", global_ops="two_pass"``: backward fusion of global transforms, and of
+  norms over whole stacked leaves; a separable transform runs the one-pass backward step, unless
+  its norms over whole leaves let it update a stacked leaf in a loop."""
 
   two_pass = True
 
+  def __init__(self, tx, options):
+    super().__init__(tx, options)
+    # A separable transform whose updates read norms over whole leaves (LAMB) needs the first
+    # pass only for a stacked leaf whose loop reads them; without one, one pass computes them.
+    self.one_pass = _backward.BackwardEngine(tx, options)
+
+  def separable(self, params, state) -> bool:
+    try:
+      self.one_pass.plan(params, state)
+    except NonSeparableError:
+      return False
+    return True
+
   def make_plan(self, params, state) -> Plan:
     return _make.make_plan(self.tx, params, state, global_handling="if_needed")
+
+  def reasons(self, loop_plan: _loops.LoopPlan, params, state) -> dict[int, str]:
+    return dict(loop_plan.reasons)
 
   def fused(self, loss_fn: Callable, has_aux: bool, params, state, args: tuple, kwargs: dict,
             refused: _backward.Refused = ()) -> tuple[tuple, Placed]:
@@ -199,6 +222,9 @@ class TwoPassEngine(_backward.BackwardEngine):
     if plan.is_separable:
       return super().fused(loss_fn, has_aux, params, state, args, kwargs, refused)
     loop_plan = self.analyze(loss_fn, params, state, args, kwargs, refused)
+    loop_reads_cuts = any(_reads_cuts(plan, i) for i in loop_plan.fused_leaves)
+    if not loop_reads_cuts and self.separable(params, state):
+      return self.one_pass.fused(loss_fn, has_aux, params, state, args, kwargs, refused)
     return (value_and_update(plan, loop_policy(), loss_fn, has_aux, params, state, args, kwargs,
                              loop_plan),
             Placed(dict.fromkeys(loop_plan.fused_leaves, "loop"), dict(loop_plan.reasons)))

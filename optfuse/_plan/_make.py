@@ -7,7 +7,7 @@ from typing import Literal
 import optax
 
 from optfuse._base._errors import NonSeparableError
-from optfuse._plan import _global_stage, _separable
+from optfuse._plan import _global_stage, _leaf_stats, _separable
 from optfuse._plan._plan import Plan
 
 # What a mode does with a global stage (clipping, ``apply_if_finite``):
@@ -15,7 +15,8 @@ from optfuse._plan._plan import Plan
 # - "tree": a global stage computed once from the gradient tree (forward fusion);
 # - "per_leaf": the global stage split into per-leaf statistics and a combine step, which a
 #   backward pass or a row loop can carry (forward fusion with the pending gradient on host);
-# - "if_needed": separable where the transform is, per-leaf statistics otherwise (two-pass).
+# - "if_needed": per-leaf statistics where the transform is global, or where its update of a leaf
+#   reads norms over the whole leaf (``_leaf_stats``), separable otherwise (two-pass).
 GlobalHandling = Literal["refuse", "tree", "per_leaf", "if_needed"]
 
 
@@ -53,8 +54,10 @@ def make_plan(tx: optax.GradientTransformation, params, state,
     return _separable.make_plan(tx, params, state, traced)
   if global_handling == "if_needed":
     try:
-      return _separable.make_plan(tx, params, state, traced)
+      separable = _separable.make_plan(tx, params, state, traced)
     except NonSeparableError:
       pass
+    else:
+      return _leaf_stats.make_leaf_stats_plan(traced, separable) or separable
   return _global_stage.make_global_plan(tx, params, state, two_pass=global_handling != "tree",
                                         traced=traced)

@@ -13,6 +13,7 @@ import optax
 
 from optfuse._base._memory_spaces import like
 from optfuse._jaxpr import _interpreter, _rows
+from optfuse._jaxpr._rows import take_row
 from optfuse._plan._fields import slots_only
 
 
@@ -133,14 +134,18 @@ class Runners:
     Raises:
       NotRowwise: a statistic is not a reduction over the whole stacked leaf.
     """
-    n = self.num_params
+    n, own = self.num_params, self.groups[i].state_outs
     grads = [None] * n
     grads[i] = grad_row
     flat = [*self.consts, *grads, *state, *params]
-    is_row = [False] * len(self.consts) + [j == i for j in range(n)] + [False] * (
-        self.num_state + n)
-    used = list(zip(flat, is_row, self.stats.stat_reads[i], strict=True))
-    args, rows = [x for x, _, r in used if r], [row for _, row, r in used if r]
+    is_row = ([False] * len(self.consts) + [j == i for j in range(n)]
+              + [k in own for k in range(self.num_state)] + [j == i for j in range(n)])
+    # The leaf's param and slots are given whole: their rows are taken where a statistic reads
+    # them (a trust ratio's norm of the param, of Adam's update).
+    whole = [j >= len(self.consts) + n for j in range(len(flat))]
+    used = list(zip(flat, is_row, whole, self.stats.stat_reads[i], strict=True))
+    args = [take_row(x, index, length, axis) if row and w else x for x, row, w, r in used if r]
+    rows = [row for _, row, _, r in used if r]
     return _rows.evaluate_row_reductions(self.stats.stat_jaxprs[i], args, rows, index, length,
                                          axis=axis)
 
