@@ -140,7 +140,7 @@ def test_backward_fused_per_matrix_optimizer_trains_like_optax_over_20_steps(cas
 
 
 @pytest.mark.parametrize("case", ["adafactor_factored_per_layer", "kronecker"])
-def test_state_of_another_shape_updated_in_the_loop_matches_optax_and_a_1pct_lr_error_does_not(
+def test_state_of_another_shape_updated_in_the_loop_matches_optax_and_rejects_a_1pct_lr_error(
     case):
   """The per-layer state updated row by row (Adafactor's (L, d) moments, the (L, d, d) factor)
   equals optax's, and a learning rate 1 % off is at least criteria.REJECTED_BY times the
