@@ -140,7 +140,7 @@ def test_backward_fused_per_layer_without_jit_trains_like_optax_on_the_unrolled_
 
 
 @pytest.mark.parametrize("name", WHOLE_LEAF)
-def test_plain_optimizer_on_the_stacked_leaves_is_not_the_unrolled_model(name):
+def test_the_unrolled_model_check_rejects_the_plain_optimizer_on_the_stacked_leaves(name):
   """The control: without ``per_layer`` the statistic spans the layers, and the check fails."""
   got = fused_run(OPTIMIZERS[name]())
   distance, _ = criteria.matches_optax_distance(got, reference(name))

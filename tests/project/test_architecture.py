@@ -416,3 +416,20 @@ def test_every_checked_channel_is_read_by_a_rule():
   read = {name for m in MODULES for rule in _custom_vjp_rules(_tree(m))
           for name in _checked_reads(rule)}
   assert read == set(CHECKED_CHANNELS)
+
+
+def test_every_fault_injection_test_is_named_for_what_it_rejects():
+  # CI runs the slow fault-injection tests by the ``rejection`` marker, which tests/conftest.py
+  # sets on each test named ``..._rejects_...``: a test that injects a fault (``faults.``) or
+  # requires a rejection margin (``REJECTED_BY``) under another name would never run there.
+  tests = PACKAGE.parent / "tests"
+  unnamed = []
+  for path in sorted(tests.rglob("test_*.py")):
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+        body = ast.get_source_segment(text, node)
+        injects = "faults." in body and "lr_off" in body or "REJECTED_BY" in body
+        if injects and "_rejects_" not in node.name and not node.name.endswith("_rejects"):
+          unnamed.append(f"{path.relative_to(tests)}::{node.name}")
+  assert not unnamed, f"fault-injection tests the rejection marker misses: {unnamed}"
