@@ -17,6 +17,7 @@ Usage::
   python examples/plan_fsdp.py --batch 28           # 7 sequences a chip
   python examples/plan_fsdp.py --size tiny --target tpu-v5e:2x2
   python examples/plan_fsdp.py --size 16x1024 --target h100:1x1x4   # four H100s
+  python examples/plan_fsdp.py --size 24x2048-mlp --batch 16        # no attention, 4 a chip
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ SIZES = {
     "16x512": DecoderConfig(layers=16, dim=512, heads=8, ff=2048, vocab=2048, seq=32, batch=4),
     "16x1024": DecoderConfig(layers=16, dim=1024, heads=8, ff=4096, vocab=4096, seq=64, batch=4),
     "1.3b": DecoderConfig(layers=24, dim=2048, heads=16, ff=8192, vocab=32000, seq=2048, batch=4),
+    # Without attention (a d x d projection in its place): the 1.3B decoder's MLP layers, and a
+    # quarter of its width, ff, vocab and T (each param and activation a sixteenth; the test's).
+    "24x2048-mlp": DecoderConfig(layers=24, dim=2048, heads=16, ff=8192, vocab=32000, seq=2048,
+                                 batch=4, attention=False),
+    "24x512-mlp": DecoderConfig(layers=24, dim=512, heads=8, ff=2048, vocab=8000, seq=512,
+                                batch=4, attention=False),
 }
 
 

@@ -8,7 +8,10 @@ and moves them about three times (read by the forward loop, again by the backwar
 back). The planner ranks what it may stream by bytes moved per byte freed (slots first, then
 params), adds the cheapest until the bytes freed cover what the compiled step needs beyond the
 budget, compiles the step so placed, and adds more while the compiler says it does not fit;
-then it drops, one at a time, what an earlier round added if the step fits without it.
+then it drops, one at a time, what an earlier round added if the step fits without it. A round
+whose compiled peak is not below the peak before it is undone and not tried again: a compiler
+may keep in device memory what a stream moves to the host, or more (buffers held around the
+streamed rows), and the plan then says so for those leaves instead of streaming them.
 """
 
 from __future__ import annotations
@@ -122,8 +125,15 @@ def _leaves(fx, loss_fn: Callable, params, args: tuple, kwargs: dict) -> list[_L
                 where.params.get(p) == "host") for p in paths]
 
 
-def _candidates(leaves: list[_Leaf], streams: dict[str, str]) -> list[tuple[float, int, str, str]]:
-  """What may stream next, as ``(moved per byte freed, bytes freed, path, what)``."""
+def _candidates(leaves: list[_Leaf], streams: dict[str, str],
+                refused: Mapping[tuple[str, str], Any]) -> list[tuple[float, int, str, str]]:
+  """What may stream next, as ``(moved per byte freed, bytes freed, path, what)``, but the
+  ``(path, what)`` streams of ``refused`` (that did not lower the compiled peak)."""
+  return [o for o in _all_candidates(leaves, streams) if (o[2], o[3]) not in refused]
+
+
+def _all_candidates(leaves: list[_Leaf], streams: dict[str, str]
+                    ) -> list[tuple[float, int, str, str]]:
   out = []
   for leaf in leaves:
     now = streams.get(leaf.path, "none")
@@ -137,14 +147,16 @@ def _candidates(leaves: list[_Leaf], streams: dict[str, str]) -> list[tuple[floa
   return out
 
 
-def _choose(leaves: list[_Leaf], streams: dict[str, str], needed: int) -> dict[str, str]:
+def _choose(leaves: list[_Leaf], streams: dict[str, str], needed: int,
+            refused: Mapping[tuple[str, str], Any]) -> dict[str, str]:
   """The cheapest additions to ``streams`` that free at least ``needed`` bytes by their
   sizes: in the cheapest tier, the smallest leaf that covers what is left, else the largest
-  and on; then the next tier. Empty when nothing is left to stream."""
+  and on; then the next tier. Empty when nothing is left to stream but what ``refused``
+  holds."""
   chosen: dict[str, str] = {}
   left = needed
   while left > 0:
-    options = _candidates(leaves, {**streams, **chosen})
+    options = _candidates(leaves, {**streams, **chosen}, refused)
     if not options:
       break
     tier = min(o[0] for o in options)
@@ -239,22 +251,29 @@ def plan_offload(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args
   streams: dict[str, str] = {}
   memory = measure(streams)
   added: dict[str, int | None] = {}  # path -> the peak before it streamed
+  # (path, what) -> (the peak without, with): streams whose round did not lower the peak.
+  refused: dict[tuple[str, str], tuple[int | None, int | None]] = {}
   rounds: list[dict[str, str]] = []
   while not _fits(memory, budget_bytes):
     peak = _peak(memory)
     needed = (peak - budget_bytes) if peak else 1
-    chosen = _choose(leaves, streams, needed)
+    chosen = _choose(leaves, streams, needed, refused)
     if not chosen:
       raise OffloadError(
           f"the step does not fit {format_bytes(budget_bytes)} ({source}) even with every "
-          f"leaf it can stream in host memory: it needs {format_bytes(peak) if peak else 'more'}"
+          f"leaf it can stream in host memory{_refused_note(refused, name)}: it needs "
+          f"{format_bytes(peak) if peak else 'more'}"
           ". Use a smaller batch or sequence, optfuse.low_bit(tx, bits=8) state, "
           "jax.checkpoint (remat) on the scanned layers, or a device with more memory.")
+    tried = measure({**streams, **chosen})
+    if not _lowers(tried, memory):
+      refused.update(dict.fromkeys(chosen.items(), (peak, _peak(tried))))
+      continue
     for path in chosen:
       added.setdefault(path, peak)
     streams.update(chosen)
     rounds.append(chosen)
-    memory = measure(streams)
+    memory = tried
   # What an earlier round streamed may not be needed once a later one does: a small leaf frees
   # less than its bytes (its rows in flight), the next round more. Each is dropped if the step
   # still fits without it, the most bytes moved first.
@@ -268,19 +287,47 @@ def plan_offload(fx: _fuse.FusedTransformation, loss_fn: Callable, params, *args
     if _fits(tried, budget_bytes):
       streams, memory = trial, tried
       added.pop(path)
-  why = {leaf.path: _why(streams.get(leaf.path, "none"), added.get(leaf.path), budget_bytes)
+  why = {leaf.path: _why(streams.get(leaf.path, "none"), added.get(leaf.path), budget_bytes,
+                        _refused_of(refused, leaf.path, streams), name)
          for leaf in leaves}
   return OffloadPlan(fx.tx, {p: streams.get(p, "none") for p in why}, why, memory,
                      budget_bytes, source, name)
 
 
-def _why(what: str, peak_before: int | None, budget: int) -> str:
+def _lowers(tried, before) -> bool:
+  """Whether the step compiled as ``tried`` needs less device memory than ``before``; a
+  refusal without a figure counts as lower (the next round says more)."""
+  now, then = _peak(tried), _peak(before)
+  return now is None or then is None or now < then
+
+
+def _refused_of(refused, path: str, streams: Mapping[str, str]):
+  """``(what, without, with)`` of ``path``'s refused stream, when it streams nothing."""
+  if streams.get(path, "none") != "none":
+    return None
+  found = [(what, *peaks) for (p, what), peaks in refused.items() if p == path]
+  return found[0] if found else None
+
+
+def _refused_note(refused, target: str) -> str:
+  if not refused:
+    return ""
+  paths = ", ".join(dict.fromkeys(p for p, _ in refused))
+  return f" but {paths}, whose streaming did not lower the compiled peak on {target}"
+
+
+def _why(what: str, peak_before: int | None, budget: int, refused=None, target: str = "") -> str:
   fits = format_bytes(budget)
   needs = f": {format_bytes(peak_before)} without it" if peak_before else ""
   if what == "params":
     return f"params and state: host (needed to fit {fits}{needs})"
   if what == "state":
     return f"params: device, state: host (needed to fit {fits}{needs})"
+  if refused is not None:
+    streamed, without, with_ = refused
+    fmt = lambda b: format_bytes(b) if b else "more"
+    return (f"params and state: device (streaming its {streamed} did not lower the compiled "
+            f"peak on {target}: {fmt(with_)} with it, {fmt(without)} without)")
   return f"params and state: device (not needed to fit {fits})"
 
 

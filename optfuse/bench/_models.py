@@ -227,7 +227,12 @@ def cnn(channels: tuple[int, ...] = (16, 32), image: int = 32, classes: int = 10
 
 
 class DecoderConfig(NamedTuple):
-  """A GPT-style decoder: pre-norm blocks (causal attention, GELU MLP), tied embedding."""
+  """A GPT-style decoder: pre-norm blocks (causal attention, GELU MLP), tied embedding.
+
+  With ``attention=False`` each block's attention is a ``dim x dim`` projection of its normed
+  input (no ``qkv``, no mixing over positions): the layers' params and activations without
+  attention's, the FSDP promises' other case (docs' FSDP table).
+  """
 
   layers: int = 2
   dim: int = 64
@@ -237,12 +242,14 @@ class DecoderConfig(NamedTuple):
   seq: int = 32
   batch: int = 4
   dtype: Any = jnp.float32
+  attention: bool = True
 
 
 def _block_params(c: DecoderConfig, prefix: tuple[int, ...]) -> dict:
+  qkv = {"qkv": _dense(c.dim, 3 * c.dim, c.dtype, prefix)} if c.attention else {}
   return {
       "norm1": Leaf((*prefix, c.dim), c.dtype, "ones"),
-      "qkv": _dense(c.dim, 3 * c.dim, c.dtype, prefix),
+      **qkv,
       "proj": _dense(c.dim, c.dim, c.dtype, prefix),
       "norm2": Leaf((*prefix, c.dim), c.dtype, "ones"),
       "up": _dense(c.dim, c.ff, c.dtype, prefix),
@@ -257,6 +264,9 @@ def _rms_norm(x, scale):
 
 
 def _block(p: dict, h: jax.Array, heads: int) -> jax.Array:
+  if "qkv" not in p:  # DecoderConfig(attention=False)
+    h = h + _rms_norm(h, p["norm1"]) @ p["proj"]
+    return h + jax.nn.gelu(_rms_norm(h, p["norm2"]) @ p["up"]) @ p["down"]
   b, t, d = h.shape
   q, k, v = jnp.split(_rms_norm(h, p["norm1"]) @ p["qkv"], 3, axis=-1)
   q, k, v = (z.reshape(b, t, heads, d // heads) for z in (q, k, v))

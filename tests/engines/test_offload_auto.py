@@ -322,3 +322,46 @@ def test_memory_report_plans_auto_for_the_target_and_reports_its_plan(microbatch
   assert set(report) == {"backward"} and set(report.unavailable) == {"off", "forward"}
   assert set(report.offload_plan.streams.values()) == {"none"}
   assert report["backward"]["host_transfer_bytes"] == 0 and report.fits("backward")
+
+
+def _peaks_where_streaming_raises(raising: set):
+  """A stand-in for the compiled peak of each placement: 10 MB, less the state (and params)
+  bytes of each stream, but for the ``(path, what)`` streams of ``raising``, which add 1 MB (a
+  compiler that keeps what it streams, and more, in device memory)."""
+  params = models.abstract_stacked_params(8, 256)
+  flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  size = lambda path: 4 * int(np.prod(flat[path].shape))
+
+  def step_memory(*_, streams, **__):
+    peak = 10 * 2**20
+    for path, what in streams.items():
+      freed = 2 * size(path) + (size(path) if what == "params" else 0)
+      peak += 2**20 if (path, what) in raising else -freed
+    return {"peak_bytes": peak, "host_bytes": 0, "host_transfer_bytes": 0}
+
+  return params, step_memory
+
+
+@needs_tpu
+@pytest.mark.targets
+def test_the_plan_does_not_stream_what_does_not_lower_the_compiled_peak(monkeypatch):
+  """A stream whose compiled peak is not below the peak without it is not chosen (a compiler
+  may hold more than it streams, as the TPU compiler did under FSDP), and the plan says so."""
+  w = "['layers']['w']"
+  params, step_memory = _peaks_where_streaming_raises({(w, "state")})
+  monkeypatch.setattr(optfuse._analysis._memory, "step_memory", step_memory)
+  batch = (jax.ShapeDtypeStruct((models.BATCH, models.SEQ), jnp.int32),) * 2
+  fx = optfuse.fuse(optax.adam(1e-3), offload="auto")
+  # 100 KB to free: w's slots (4 MB) are the smallest that cover it by their bytes, but raise
+  # the peak; the embedding's and head's (64 KB each) cover it together.
+  plan = optfuse.plan_offload(fx, models.scanned_loss, params, *batch,
+                              budget=10 * 2**20 - 100_000, target="tpu-v5e")
+  assert plan.device_peak_bytes <= plan.budget_bytes
+  assert plan.streams[w] == "none" and "did not lower the compiled peak" in plan.why[w]
+  assert {plan.streams[p] for p in ("['embed']", "['head']")} == {"state"}
+  # Where nothing else frees enough, the plan refuses, naming what did not lower the peak.
+  _, raising_everywhere = _peaks_where_streaming_raises({(w, "state"), (w, "params")})
+  monkeypatch.setattr(optfuse._analysis._memory, "step_memory", raising_everywhere)
+  with pytest.raises(optfuse.OffloadError, match=r"did not lower the compiled peak"):
+    optfuse.plan_offload(fx, models.scanned_loss, params, *batch, budget=5 * 2**20,
+                         target="tpu-v5e")
