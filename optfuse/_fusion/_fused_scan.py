@@ -87,7 +87,7 @@ class LoopInputs(NamedTuple):
     policy: the step's per-compiler choices of its loops.
     record: the step's ``PullbackRecord``: the backward loops record in it that they ran, and
       read which pass of two-pass backward is traced.
-    slots: leaf -> its optimizer-state slots (stacked like the leaf).
+    slots: leaf -> its optimizer-state slots (stacked along the leaf's stacked axis).
     readonly: leaf -> the other inputs its row update reads whole (shared state, other params),
       passed through the fused scan's inputs.
     pre_updates: leaf -> ``PreUpdate``, updates applied in the forward loop (forward fusion).

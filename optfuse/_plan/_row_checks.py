@@ -19,6 +19,8 @@ from optfuse._plan._fields import LeafGroup, slots_only
 
 # How a reason begins when the update reads other rows than its own (``describe`` reads it).
 MIXES_ROWS = "its update mixes rows"
+# The reason when a state slot has no row per layer along the param's stacked axis.
+NOT_STACKED = "its optimizer state is not stacked along the layer axis"
 
 
 def _unpacks_bits(jaxpr: jcore.Jaxpr) -> bool:
@@ -98,8 +100,11 @@ class RowChecks:
                   ) -> str | None:
     """Why leaf ``i`` is not updated row by row along ``axis``, or ``None`` when it is.
 
-    It is when the leaf has at least ``min_rows`` rows, its state slots are stacked like it,
-    and its update computes row ``l`` from row ``l`` of its gradient, param and slots only
+    It is when the leaf has at least ``min_rows`` rows, each of its state slots has as many
+    rows along ``axis``, whatever its other axes (Adam's moments have the param's shape;
+    Adafactor's factored moments of an (L, d, f) param are (L, d) and (L, f), a Kronecker
+    factor (L, d, d)), and its update computes row ``l`` from row ``l`` of its gradient, param
+    and slots only
     (with ``stats``: and its statistics are reductions whose rows combine, ``run_stats_row``).
     This is the one test of every mode: backward loops, two-pass loops, forward loops and row
     updates before the loss.
@@ -112,9 +117,11 @@ class RowChecks:
     if length < self.min_rows(i):
       return (f"its loop has {length} iterations, fewer than the {self.min_rows(i)} from which "
               "updating row by row pays (the rows in flight cost more than the stack)")
-    if any(jnp.ndim(state[k]) != len(shape) or jnp.shape(state[k])[axis] != length
+    # A slot's other axes need no relation to the param's: the row evaluation below decides
+    # whether row ``l`` of every output reads only row ``l`` of each input.
+    if any(jnp.ndim(state[k]) <= axis or jnp.shape(state[k])[axis] != length
            for k in group.state_outs):
-      return "its optimizer state is not stacked like the param"
+      return NOT_STACKED
     row = _row_spec(p, axis)
     rows = (row, row, [_row_spec(state[k], axis) for k in group.state_outs])
     spec = lambda x: None if x is None else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))

@@ -317,7 +317,7 @@ def test_describe_puts_the_matrices_of_low_bit_muon_in_their_loop(layer_axis, bi
     assert not where.reasons, where.reasons
   else:  # a (d, L) scale's blocks run along L, across the layers
     assert all(where[n] == "tap" for n in norms), where.table()
-    assert all("not stacked like the param" in where.reasons[n] for n in norms), where.reasons
+    assert all("not stacked along the layer axis" in where.reasons[n] for n in norms), where.reasons
 
 
 def test_low_bit_keeps_muons_newton_schulz_coefficients_as_they_are():

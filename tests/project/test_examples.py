@@ -154,6 +154,19 @@ def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps(
   assert all(len(s) == 1 and s[0] > 0 for s in seconds.values())
 
 
+def test_adafactor_memory_fuses_the_factored_moments_and_not_the_defaults():
+  from optfuse.bench import _models
+  example = _load("adafactor_memory")
+  config = _models.DecoderConfig(layers=4, dim=64, heads=4, ff=128, vocab=64, seq=16, batch=2)
+  model = _models.decoder(config, scanned=True, remat=True)
+  factored, defaults = (example.measure(model, name, min_dim_size_to_factor=32)
+                        for name in example.OPTIMIZERS)
+  assert factored["in_loop"] == factored["stacked"] == 6 and not factored["reasons"], factored
+  assert factored["backward"] < factored["optax"]
+  assert defaults["in_loop"] == 0 and defaults["reasons"][0].startswith("its update mixes rows")
+  assert example.markdown([factored, defaults]).count("| cpu |") == 2
+
+
 def test_offload_params_trains_like_optax_with_the_params_in_host_memory():
   example = _load("offload_params")
   assert example.train_check(steps=3) < TOL
