@@ -1,0 +1,81 @@
+"""A row of a random draw: the numbers ``random_bits`` draws for one row of a stacked shape,
+without drawing the others.
+
+An update that draws random numbers of a stacked leaf's shape (a probe vector of PSGD, the noise
+of ``optax.add_noise``) from a key shared by every layer makes, inside the backward loop, one
+row of the draw per iteration. Drawing the whole leaf's numbers in each iteration would be exact
+but would cost the loop a whole-leaf temporary and ``L`` times the hashing; drawing the row
+alone is exact only where the row's numbers do not depend on the others'.
+
+With ``jax_threefry_partitionable`` (JAX's default since 0.5), ``random_bits(key, shape)`` with
+the threefry key hashes each element's own counter: element ``j`` (in row-major order) is
+``threefry2x32(key, (hi(j), lo(j)))``, its two words xored (``jax/_src/random/threefry2x32.py``,
+``_threefry_random_bits_partitionable``). A row's numbers are then the hashes of the row's own
+counters, ``index * stride + offset``. Without the flag, the draw hashes counter ``j`` paired
+with counter ``j + n/2`` of a draw of ``n`` words (and packs several 8- or 16-bit numbers in one
+word): a row's numbers come with half of another row's, and the numbers themselves are others,
+so such a draw is refused (``NonPartitionableDraw``), as is a draw of another key implementation
+(``rbg``: XLA's ``RngBitGenerator`` over the whole shape).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.random import threefry2x32_p
+
+from optfuse._jaxpr._row_params import NotRowwise
+
+# A row's counters are computed in uint32: the draw's elements must be numbered below 2**32.
+_MAX_DRAW = 2 ** 32
+_UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+
+
+class NonPartitionableDraw(NotRowwise):
+  """A draw whose row cannot be drawn alone: ``jax_threefry_partitionable`` is off, or the key
+  is not a threefry key."""
+
+
+def check_draw(key, shape: tuple[int, ...]) -> None:
+  """Raises ``NotRowwise`` (``NonPartitionableDraw``) unless a row of ``random_bits(key, shape)``
+  can be drawn alone."""
+  if not jax.config.jax_threefry_partitionable:
+    raise NonPartitionableDraw(
+        "it draws random numbers for the whole stacked leaf with jax_threefry_partitionable off, "
+        "where a row's numbers depend on other rows': set "
+        "jax.config.update('jax_threefry_partitionable', True) (JAX's default)")
+  impl = jax.random.key_impl(key)
+  if str(impl) != "threefry2x32":
+    raise NonPartitionableDraw(f"it draws random numbers for the whole stacked leaf with the "
+                               f"{impl} key, whose rows cannot be drawn alone: use a threefry key")
+  if math.prod(shape) >= _MAX_DRAW:
+    raise NotRowwise(f"it draws {math.prod(shape)} random numbers, 2**32 or more, for a "
+                     "stacked leaf")
+
+
+def _counters(shape: tuple[int, ...], axis: int, index) -> jax.Array:
+  """The row-major numbers of the elements of row ``index`` along ``axis`` of ``shape``."""
+  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+  row_shape = shape[:axis] + shape[axis + 1:]
+  row_strides = strides[:axis] + strides[axis + 1:]
+  base = lax.convert_element_type(index, jnp.uint32) * jnp.uint32(strides[axis])
+  counters = jnp.full(row_shape, base, jnp.uint32)
+  for d, stride in enumerate(row_strides):
+    counters = counters + lax.broadcasted_iota(jnp.uint32, row_shape, d) * jnp.uint32(stride)
+  return counters
+
+
+def draw_row(key, bit_width: int, shape: tuple[int, ...], axis: int, index) -> jax.Array:
+  """Row ``index`` along ``axis`` of ``random_bits(key, bit_width, shape)`` for one threefry key
+  under ``jax_threefry_partitionable`` (``check_draw``), as JAX computes each element."""
+  k1, k2 = jax.random.key_data(key)
+  lo = _counters(shape, axis, index)
+  bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(lo), lo)
+  dtype = _UINT[bit_width]
+  if bit_width == 64:
+    hi = lax.convert_element_type(bits1, dtype)
+    return lax.shift_left(hi, jnp.asarray(32, dtype)) | lax.convert_element_type(bits2, dtype)
+  return lax.convert_element_type(bits1 ^ bits2, dtype)
