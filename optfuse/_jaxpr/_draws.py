@@ -7,15 +7,16 @@ row of the draw per iteration. Drawing the whole leaf's numbers in each iteratio
 but would cost the loop a whole-leaf temporary and ``L`` times the hashing; drawing the row
 alone is exact only where the row's numbers do not depend on the others'.
 
-With ``jax_threefry_partitionable`` (JAX's default since 0.5), ``random_bits(key, shape)`` with
-the threefry key hashes each element's own counter: element ``j`` (in row-major order) is
-``threefry2x32(key, (hi(j), lo(j)))``, its two words xored (``jax/_src/random/threefry2x32.py``,
-``_threefry_random_bits_partitionable``). A row's numbers are then the hashes of the row's own
-counters, ``index * stride + offset``. Without the flag, the draw hashes counter ``j`` paired
-with counter ``j + n/2`` of a draw of ``n`` words (and packs several 8- or 16-bit numbers in one
-word): a row's numbers come with half of another row's, and the numbers themselves are others,
-so such a draw is refused (``NonPartitionableDraw``), as is a draw of another key implementation
-(``rbg``: XLA's ``RngBitGenerator`` over the whole shape).
+With ``jax_threefry_partitionable`` (JAX's default: on in jax 0.10.2), ``random_bits(key,
+shape)`` with the threefry key hashes each element's own counter: element ``j`` (in row-major
+order) is ``threefry2x32(key, (hi(j), lo(j)))``, its two words xored
+(``jax/_src/random/threefry2x32.py``, ``_threefry_random_bits_partitionable``). A row's numbers
+are then the hashes of the row's own counters, ``index * stride + offset``. Without the flag,
+the draw hashes counter ``j`` paired with counter ``j + n/2`` of a draw of ``n`` words (and
+packs several 8- or 16-bit numbers in one word): a row's numbers come out of hashes that make
+another row's too, and the numbers themselves are others, so such a draw is refused
+(``NonPartitionableDraw``), as is a draw of another key implementation (``rbg``: XLA's
+``RngBitGenerator`` over the whole shape).
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ class NonPartitionableDraw(NotRowwise):
 def check_draw(key, shape: tuple[int, ...]) -> None:
   """Raises ``NotRowwise`` (``NonPartitionableDraw``) unless a row of ``random_bits(key, shape)``
   can be drawn alone."""
-  if not jax.config.jax_threefry_partitionable:
-    raise NonPartitionableDraw(
-        "it draws random numbers for the whole stacked leaf with jax_threefry_partitionable off, "
-        "where a row's numbers depend on other rows': set "
-        "jax.config.update('jax_threefry_partitionable', True) (JAX's default)")
   impl = jax.random.key_impl(key)
   if str(impl) != "threefry2x32":
-    raise NonPartitionableDraw(f"it draws random numbers for the whole stacked leaf with the "
-                               f"{impl} key, whose rows cannot be drawn alone: use a threefry key")
+    raise NonPartitionableDraw(f"its update draws random numbers for the whole stacked leaf "
+                               f"with the {impl} key, whose rows cannot be drawn alone: use a "
+                               "threefry key")
+  if not jax.config.jax_threefry_partitionable:
+    raise NonPartitionableDraw(
+        "its update draws random numbers for the whole stacked leaf with "
+        "jax_threefry_partitionable off, where a row's numbers cannot be drawn alone: set "
+        "jax.config.update('jax_threefry_partitionable', True) (JAX's default)")
   if math.prod(shape) >= _MAX_DRAW:
     raise NotRowwise(f"it draws {math.prod(shape)} random numbers, 2**32 or more, for a "
                      "stacked leaf")
