@@ -8,7 +8,8 @@ import optax
 import pytest
 
 from optfuse._plan._global_stage import make_global_plan
-from tests import models
+from optfuse._plan._row_checks import NOT_STACKED
+from tests import criteria, models
 
 
 def stacked_params():
@@ -126,3 +127,28 @@ def test_run_from_cut_gradient_gives_the_update_of_the_whole_group(tx):
                                                          flat_params, cuts)
     chex.assert_trees_all_close((update, slots), expected, rtol=1e-6, atol=1e-7)
     assert cut_grad.shape == flat_grads[i].shape and cut_grad.dtype == flat_grads[i].dtype
+
+
+def _adafactor_factoring(min_dim_size_to_factor: int) -> optax.GradientTransformation:
+  return optax.adafactor(1e-2, min_dim_size_to_factor=min_dim_size_to_factor,
+                         clipping_threshold=None, multiply_by_parameter_scale=False)
+
+
+def test_slots_of_another_shape_with_a_row_per_layer_run_row_by_row_as_the_whole_update():
+  """``w`` (4, 8, 8) factored over its last two axes: its moments (4, 8) each have a row per
+  layer, and each row of the update and the moments is that row of the whole update."""
+  plan, grads, state, params, cuts = flat_inputs(_adafactor_factoring(8))
+  w = 1  # leaves in key order: b, w
+  assert plan.row_refusal(w, state, params) is None
+  update, slots = plan.run_group(w, grads[w], state, params, cuts)
+  assert [jnp.shape(s) for s in slots] == [(4, 8), (4, 8)]
+  for row in range(4):
+    rows = (grads[w][row], params[w][row], [state[k][row] for k in plan.groups[w].state_outs])
+    got = plan.run_group_row(w, state, params, cuts, rows, row, 4)
+    criteria.assert_matches_optax(got, (update[row], [s[row] for s in slots]))
+
+
+def test_a_slot_without_a_row_per_layer_keeps_the_leaf_out_of_the_loop():
+  """``b`` (4, 8) factored over its layer axis too: its column moment (8,) has no layer axis."""
+  plan, _, state, params, _ = flat_inputs(_adafactor_factoring(4))
+  assert plan.row_refusal(0, state, params) == NOT_STACKED
