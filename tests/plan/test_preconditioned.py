@@ -5,9 +5,10 @@ Both test optimizers are written for a stacked (L, m, n) leaf as optax code woul
 it: batched over the leading axes (``einsum``, ``@`` and ``jnp.linalg.eigh`` broadcast over
 them), so that layer ``l``'s update reads only layer ``l``. Their state is per layer with other
 axes than the param's ((L, m, m), (L, n, n)); the row check takes it, and the row evaluator runs
-``eigh`` and the ``lax.cond`` that recomputes the inverse roots every few steps on one layer.
-PSGD's probes are drawn from one key for the whole stacked leaf; inside the loop each layer's
-probe is drawn alone, the same numbers as that layer's slice of the whole draw, which holds under
+``eigh``, the Newton iteration's ``fori_loop`` and the ``lax.cond`` that recomputes the inverse
+roots every few steps on one layer. PSGD's probes (and ``optax.add_noise``'s noise, trained here
+too) are drawn from one key for the whole stacked leaf; inside the loop each layer's numbers are
+drawn alone, the same numbers as that layer's slice of the whole draw, which holds under
 ``jax_threefry_partitionable`` (JAX's default); without it the leaf is updated after the loop,
 and ``describe`` says to set the flag (``tests/jaxpr/test_draws.py`` checks the draws alone).
 """
