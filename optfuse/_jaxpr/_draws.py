@@ -30,8 +30,6 @@ from jax.extend.random import threefry2x32_p
 
 from optfuse._jaxpr._row_params import NotRowwise
 
-# A row's counters are computed in uint32: the draw's elements must be numbered below 2**32.
-_MAX_DRAW = 2 ** 32
 _UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 
 
@@ -53,29 +51,45 @@ def check_draw(key, shape: tuple[int, ...]) -> None:
         "its update draws random numbers for the whole stacked leaf with "
         "jax_threefry_partitionable off, where a row's numbers cannot be drawn alone: set "
         "jax.config.update('jax_threefry_partitionable', True) (JAX's default)")
-  if math.prod(shape) >= _MAX_DRAW:
-    raise NotRowwise(f"it draws {math.prod(shape)} random numbers, 2**32 or more, for a "
-                     "stacked leaf")
 
 
-def _counters(shape: tuple[int, ...], axis: int, index) -> jax.Array:
-  """The row-major numbers of the elements of row ``index`` along ``axis`` of ``shape``."""
+def _times(a: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+  """The 64-bit product of the uint32 array ``a`` and the integer ``0 <= b < 2**64``, as its high
+  and low words (uint32 arithmetic only, as JAX's counters without ``jax_enable_x64``)."""
+  b_hi, b_lo = b >> 32, b & 0xFFFFFFFF
+  a0, a1 = a & 0xFFFF, a >> 16
+  p00, p01 = a0 * jnp.uint32(b_lo & 0xFFFF), a0 * jnp.uint32(b_lo >> 16)
+  p10, p11 = a1 * jnp.uint32(b_lo & 0xFFFF), a1 * jnp.uint32(b_lo >> 16)
+  mid = (p00 >> 16) + (p01 & 0xFFFF) + (p10 & 0xFFFF)
+  lo = (p00 & 0xFFFF) | (mid << 16)
+  hi = p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16) + a * jnp.uint32(b_hi)
+  return hi, lo
+
+
+def _plus(x: tuple[jax.Array, jax.Array], y: tuple[jax.Array, jax.Array]
+          ) -> tuple[jax.Array, jax.Array]:
+  """The sum of two 64-bit numbers given as (high, low) uint32 words."""
+  lo = x[1] + y[1]
+  return x[0] + y[0] + (lo < x[1]).astype(jnp.uint32), lo
+
+
+def counters(shape: tuple[int, ...], axis: int, index) -> tuple[jax.Array, jax.Array]:
+  """The row-major numbers of the elements of row ``index`` along ``axis`` of ``shape``, as the
+  high and low words of 64-bit counters (JAX's ``iota_2x32_shape``, for one row)."""
   strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
   row_shape = shape[:axis] + shape[axis + 1:]
   row_strides = strides[:axis] + strides[axis + 1:]
-  base = lax.convert_element_type(index, jnp.uint32) * jnp.uint32(strides[axis])
-  counters = jnp.full(row_shape, base, jnp.uint32)
+  base = _times(jnp.full(row_shape, lax.convert_element_type(index, jnp.uint32)), strides[axis])
   for d, stride in enumerate(row_strides):
-    counters = counters + lax.broadcasted_iota(jnp.uint32, row_shape, d) * jnp.uint32(stride)
-  return counters
+    base = _plus(base, _times(lax.broadcasted_iota(jnp.uint32, row_shape, d), stride))
+  return base
 
 
 def draw_row(key, bit_width: int, shape: tuple[int, ...], axis: int, index) -> jax.Array:
   """Row ``index`` along ``axis`` of ``random_bits(key, bit_width, shape)`` for one threefry key
   under ``jax_threefry_partitionable`` (``check_draw``), as JAX computes each element."""
   k1, k2 = jax.random.key_data(key)
-  lo = _counters(shape, axis, index)
-  bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(lo), lo)
+  bits1, bits2 = threefry2x32_p.bind(k1, k2, *counters(shape, axis, index))
   dtype = _UINT[bit_width]
   if bit_width == 64:
     hi = lax.convert_element_type(bits1, dtype)

@@ -98,6 +98,30 @@ def test_a_draw_stacked_along_another_axis_than_the_rows_is_drawn_whole_exactly(
     np.testing.assert_array_equal(np.asarray(got), np.asarray(fn(x)[i]))
 
 
+# Shapes of 2**33 to 2**44 elements with rows of 8192 to 24576: their counters need both
+# 32-bit words, and the second one a stride of 2**33.
+HUGE = [((2 ** 20, 2 ** 12, 2), 0, [0, 1, 2 ** 19 + 3, 2 ** 20 - 1]),
+        ((3, 2 ** 20, 2 ** 13), 1, [0, 7, 2 ** 20 - 1]),
+        ((2 ** 31, 2 ** 12, 2), 0, [2 ** 31 - 1])]
+
+
+@pytest.mark.parametrize("shape,axis,indices", HUGE)
+def test_a_rows_counters_are_its_elements_row_major_numbers_in_64_bits(shape, axis, indices):
+  """Counters above 2**32 carry into the high word, as ``iota_2x32_shape``'s do; checked on
+  rows of draws too large to make whole, against numpy's uint64 row-major numbers."""
+  strides = np.array([np.prod(shape[d + 1:], dtype=np.uint64) for d in range(len(shape))],
+                     np.uint64)
+  row_shape = shape[:axis] + shape[axis + 1:]
+  for index in indices:
+    hi, lo = jax.jit(lambda i: _draws.counters(shape, axis, i))(index)
+    grid = np.stack(np.meshgrid(*[np.arange(n, dtype=np.uint64) for n in row_shape],
+                                indexing="ij"))
+    want = (np.uint64(index) * strides[axis]
+            + np.tensordot(np.delete(strides, axis), grid, axes=1).astype(np.uint64))
+    got = (np.asarray(hi).astype(np.uint64) << np.uint64(32)) | np.asarray(lo).astype(np.uint64)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_without_jax_threefry_partitionable_a_draw_is_refused_naming_the_flag():
   x = jnp.ones((L, 3, 5))
   with jax.threefry_partitionable(False):
