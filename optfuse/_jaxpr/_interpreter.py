@@ -32,6 +32,11 @@ from jax.extend.core import primitives as P
 
 Deps = frozenset
 RESHARD_P: jcore.Primitive = reshard_p
+# ``jax.random.wrap_key_data`` and ``key_data``'s primitives, not in ``jax.extend``: taken from
+# their public functions' trace, so that no JAX release's module layout is assumed.
+RANDOM_WRAP_P, RANDOM_UNWRAP_P = (eqn.primitive for eqn in jax.make_jaxpr(
+    lambda x: jax.random.key_data(jax.random.wrap_key_data(x)))(
+        jax.ShapeDtypeStruct((2,), "uint32")).eqns)
 
 # Higher-order primitives whose body is a single jaxpr taking the same operands as the equation
 # itself, with the name of the param that holds it: dependencies are followed through the body

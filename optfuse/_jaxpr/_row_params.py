@@ -23,7 +23,7 @@ import jax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
-from optfuse._jaxpr._interpreter import RESHARD_P, primitive_of
+from optfuse._jaxpr._interpreter import RANDOM_UNWRAP_P, RANDOM_WRAP_P, RESHARD_P, primitive_of
 
 
 class NotRowwise(Exception):
@@ -319,6 +319,21 @@ def _matrices(eqn, axes, length):
   return RowParams(dict(eqn.params), (None,), (a,) * len(eqn.outvars))
 
 
+def _key_array(last: int) -> ParamsRule:
+  """A rule for a primitive on arrays of random keys (``random_bits``, ``random_split``,
+  ``random_wrap``, ``random_unwrap``, ``random_seed``): each key's output is its own, along the
+  key array's axes, then ``last`` trailing axes of the operand that are not keys (the two words
+  of a raw threefry key), which the stacked axis must not be."""
+  def rule(eqn, axes, length):
+    del length
+    a = _unary(eqn, axes)
+    if a >= len(_shape(eqn.invars[0])) - last:
+      raise NotRowwise(f"{eqn.primitive.name} of a key's words along the stacked axis")
+    return RowParams(dict(eqn.params), (None,), (a,))
+
+  return rule
+
+
 ELEMENTWISE: tuple[jcore.Primitive, ...] = (
     P.abs_p, P.acos_p, P.acosh_p, P.add_p, P.and_p, P.asin_p, P.asinh_p, P.atan_p, P.atan2_p,
     P.atanh_p, P.bessel_i0e_p, P.bessel_i1e_p, P.cbrt_p, P.ceil_p, P.clamp_p, P.clz_p, P.complex_p,
@@ -359,6 +374,10 @@ PARAMS_RULES: dict[jcore.Primitive, ParamsRule] = {
     P.bitcast_convert_type_p: _bitcast_convert_type,
     P.pad_p: _pad,
     P.gather_p: _gather,
+    P.threefry2x32_p: _elementwise,
+    **dict.fromkeys((P.random_bits_p, P.random_split_p, RANDOM_UNWRAP_P, P.random_seed_p),
+                    _key_array(0)),
+    RANDOM_WRAP_P: _key_array(1),
 }
 
 # Equations that keep each row of their one operand a row of their output: the operations that

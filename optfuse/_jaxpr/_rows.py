@@ -11,7 +11,9 @@ leaf) and Adafactor's factored moments over the stacked axis do.
 
 ``evaluate_rows`` interprets a jaxpr on rows. Each value is either full or a ``_Row``: the slice
 of a stacked value at one index, with the position its stacked axis had. Equations on full values
-are bound as they are; an equation that reads a row runs through its primitive's row rule
+are bound as they are, except a draw of random numbers of the leaves' stacked shape from one key
+(PSGD's probes, ``optax.add_noise``), which makes the row's numbers alone (``SOURCE_RULES``,
+``_draws``); an equation that reads a row runs through its primitive's row rule
 (``ROW_RULES``, one table keyed by primitive object, as in ``jax.experimental.jet``). A rule gets
 the evaluator, the equation and its inputs, and returns its outputs, rows or full: most rules
 only rewrite the equation's shape parameters for rows (``broadcast_in_dim`` shapes, reduction
@@ -43,7 +45,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
-from optfuse._jaxpr import _interpreter
+from optfuse._jaxpr import _draws, _interpreter
 from optfuse._jaxpr._interpreter import CALL_PRIMITIVES, Interpreter, bind_shared, primitive_of
 from optfuse._jaxpr._row_params import (
   PARAMS_RULES,
@@ -284,6 +286,50 @@ def _cond_rule(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list:
   return _wrap_axes(outs, out_axes)
 
 
+def _stacked_draw(rows: _RowEvaluator, eqn: jcore.JaxprEqn) -> bool:
+  """Whether ``eqn`` is a draw from one key of a shape stacked along the leaves' axis."""
+  if primitive_of(eqn) is not P.random_bits_p or eqn.invars[0].aval.shape:
+    return False
+  shape = eqn.params["shape"]
+  return len(shape) > rows.axis and shape[rows.axis] == rows.length
+
+
+def _draws_rows(rows: _RowEvaluator, jaxpr: jcore.Jaxpr) -> bool:
+  """Whether ``jaxpr``, or a call inside it, makes a stacked draw (``_stacked_draw``)."""
+  for eqn in jaxpr.eqns:
+    body = _interpreter.call_body(eqn) if primitive_of(eqn) in CALL_PRIMITIVES else None
+    if _stacked_draw(rows, eqn) or (body is not None and _draws_rows(rows, body.jaxpr)):
+      return True
+  return False
+
+
+def _draw_source(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list | None:
+  """A draw from one key of a stacked shape makes only the row's numbers (``_draws``)."""
+  if not _stacked_draw(rows, eqn):
+    return None
+  (key,), shape = ins, tuple(eqn.params["shape"])
+  _draws.check_draw(key, shape)
+  return [_Row(_draws.draw_row(key, eqn.params["bit_width"], shape, rows.axis, rows.index),
+               rows.axis)]
+
+
+def _call_source(rows: _RowEvaluator, eqn: jcore.JaxprEqn, ins: list) -> list | None:
+  """A call on full values whose body draws stacked numbers (``jax.random.normal``'s) runs
+  on rows, so that its draw makes the row alone."""
+  body = _interpreter.call_body(eqn)
+  if body is None or not _draws_rows(rows, body.jaxpr):
+    return None
+  return rows.run(body.jaxpr, body.consts, ins)
+
+
+# Rules of equations none of whose inputs is a row that still make rows: a draw of random numbers
+# of a stacked shape, and the calls around it. A rule returns ``None`` to bind the equation whole.
+SOURCE_RULES: dict[jcore.Primitive, Callable[[_RowEvaluator, jcore.JaxprEqn, list],
+                                             list | None]] = {
+    P.random_bits_p: _draw_source,
+    **dict.fromkeys(CALL_PRIMITIVES, _call_source),
+}
+
 _REDUCTION = ParamsRowRule(PARAMS_RULES[P.reduce_sum_p])
 
 # Every primitive's row rule: the parameter rules lifted (``ParamsRowRule``), reductions that
@@ -307,15 +353,19 @@ class _RowEvaluator(Interpreter):
     index: the row index (a traced integer is fine).
     length: the number of rows.
     partial: whether a reduction over the stacked axis is kept as its value on the row.
+    axis: the stacked axis of the leaves, where a draw of their shape has its rows
+      (``SOURCE_RULES``).
   """
 
-  def __init__(self, index, length: int, partial: bool):
+  def __init__(self, index, length: int, partial: bool, axis: int):
     super().__init__()
-    self.index, self.length, self.partial = index, length, partial
+    self.index, self.length, self.partial, self.axis = index, length, partial, axis
 
   def default(self, eqn, ins):
     if not any(isinstance(x, (_Row, _Partial)) for x in ins):
-      return bind_shared(eqn, ins)
+      source = SOURCE_RULES.get(primitive_of(eqn))
+      outs = None if source is None else run_rule(eqn, source, self, eqn, ins)
+      return bind_shared(eqn, ins) if outs is None else outs
     rule = ROW_RULES.get(primitive_of(eqn))
     if rule is None:
       raise NoRowRule(eqn.primitive.name)
@@ -356,9 +406,9 @@ class _RowEvaluator(Interpreter):
 
 
 def _evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], index,
-              length: int, partial: bool) -> list[Any]:
+              length: int, partial: bool, axis: int) -> list[Any]:
   """The outputs of ``jaxpr`` as they are internally: ``_Row``, ``_Partial`` or full values."""
-  return _RowEvaluator(index, length, partial).run(jaxpr, consts, args)
+  return _RowEvaluator(index, length, partial, axis).run(jaxpr, consts, args)
 
 
 def _wrap(args: Sequence[Any], is_row: Sequence[bool], axis: int) -> list:
@@ -385,7 +435,8 @@ def evaluate_rows(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
     NotRowwise: some equation combines different rows, or an output is stacked along another
       axis than the inputs.
   """
-  outs = _evaluate(jaxpr, consts, _wrap(args, is_row, axis), index, length, partial=False)
+  outs = _evaluate(jaxpr, consts, _wrap(args, is_row, axis), index, length, partial=False,
+                   axis=axis)
   rows = []
   for o in outs:
     if isinstance(o, _Partial):
@@ -417,7 +468,7 @@ def evaluate_row_reductions(jaxpr: jcore.Jaxpr, args: Sequence[Any], is_row: Seq
   Raises:
     NotRowwise: an output is not such a reduction, or a reduced value is used further.
   """
-  outs = _evaluate(jaxpr, (), _wrap(args, is_row, axis), index, length, partial=True)
+  outs = _evaluate(jaxpr, (), _wrap(args, is_row, axis), index, length, partial=True, axis=axis)
   if not all(isinstance(o, _Partial) for o in outs):
     raise NotRowwise("a statistic that is not a reduction over the stacked axis")
   return [(o.value, o.reduction) for o in outs]
@@ -436,7 +487,7 @@ def apply_path(path: Sequence[jcore.JaxprEqn], row, axis: int, index, length: in
   Returns:
     The row of the path's output.
   """
-  rows, x = _RowEvaluator(index, length, partial=False), _Row(row, axis)
+  rows, x = _RowEvaluator(index, length, partial=False, axis=axis), _Row(row, axis)
   for eqn in path:
     (x,) = rows.default(eqn, [x])
   return x.value

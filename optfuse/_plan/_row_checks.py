@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
-from optfuse._jaxpr import _interpreter, _row_params, _rows
+from optfuse._jaxpr import _draws, _interpreter, _row_params, _rows
 from optfuse._plan import _in_place
 from optfuse._plan._fields import LeafGroup, slots_only
 
@@ -137,6 +137,8 @@ class RowChecks:
     except _rows.NoRowRule as e:
       return (f"its update runs {e.primitive} on its rows, which has no row rule yet (whether it "
               "mixes rows is not known)")
+    except _draws.NonPartitionableDraw as e:
+      return str(e)
     except _rows.NotRowwise as e:
       return f"{MIXES_ROWS} ({e})"
     return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -135,6 +136,17 @@ CASES: dict[str, tuple] = {
     "qr": (jnp.linalg.qr, [((L, 3, 5), F32)]),
     "cholesky": (lambda x: jnp.linalg.cholesky(_spd(x)), [((L, 3, 5), F32)]),
     "lu": (lambda x: lax.linalg.lu(x[..., :3]), [((L, 3, 5), F32)]),
+    # A full operand of size 1 along the stacked axis, broadcast (as jax.random.uniform's bounds).
+    "broadcast of size 1": (lambda x: lax.max(jnp.full((1, 1, 1), 0.5), x), [((L, 3, 5), F32)]),
+    # One key per row (raw key data, as optax state holds keys): each key's draw is its own.
+    "random_wrap, random_bits": (lambda k: jax.vmap(lambda k: jax.random.bits(
+        jax.random.wrap_key_data(k), (3, 5)))(k), [((L, 2), U32)]),
+    "random_split, random_unwrap": (lambda k: jax.vmap(lambda k: jax.random.key_data(
+        jax.random.split(jax.random.wrap_key_data(k), 3)))(k), [((L, 2), U32)]),
+    "random_seed": (lambda s: jax.vmap(jax.vmap(
+        lambda s: jax.random.key_data(jax.random.key(s))))(s), [((L, 3), I32)]),
+    "threefry2x32": (lambda a, b, c, d: jax.extend.random.threefry2x32_p.bind(a, b, c, d),
+                     [((L, 3, 5), U32)] * 4),
 }
 
 

@@ -8,7 +8,6 @@ stacked matrix is updated in its loop and backward-fused Muon trains like optax'
 
 import functools
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers as Dims
 
 import optfuse
-from tests import models
+from tests import criteria, models
 from tests.engines import test_muon as decoder
 
 pytestmark = pytest.mark.equivalence  # CI runs these again under another ISA
@@ -66,8 +65,7 @@ def test_backward_fused_muon_with_stacked_muon_dims_trains_like_optax_over_10_st
   tx = lambda: optax.contrib.muon(decoder.LR, muon_weight_dimension_numbers=_dims(layer_axis))
   got = models.run_fused(tx(), "backward", params, decoder._batches(), 10, loss)
   want = models.run_optax(tx(), params, decoder._batches(), 10, loss)
-  # Tolerances of test_muon.py (a few ulps a step from XLA's fusion around the loop).
-  chex.assert_trees_all_close(got[:2], want[:2], rtol=decoder.RTOL, atol=decoder.ATOL)
+  criteria.assert_matches_optax(got[:2], want[:2])
 
 
 def test_describe_warns_of_muon_without_dims_on_the_stacked_decoder_naming_each_leaf():
