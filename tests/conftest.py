@@ -10,6 +10,7 @@ backend on the CPU, and the targets' compile-only devices still come from their 
 """
 
 import os
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu lets one process at a time hold it unless told that compile-only sharing is fine.
@@ -53,10 +54,21 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 
+def extended_ids() -> frozenset[str]:
+  """The test ids of ``tests/extended.txt``: cases the README's command leaves to CI."""
+  text = (pathlib.Path(__file__).parent / "extended.txt").read_text()
+  return frozenset(line.split("#")[0].strip() for line in text.splitlines()
+                   if line.split("#")[0].strip())
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(items):
   """Marks ``rejection`` every test named for rejecting an error (``..._rejects_...``): the
-  fault-injection tests of ``tests/faults.py``, which CI runs under ``-m slow`` too."""
+  fault-injection tests of ``tests/faults.py``, which CI runs under ``-m slow`` too; and
+  ``extended`` the cases ``tests/extended.txt`` lists."""
+  extended = extended_ids()
   for item in items:
     if "_rejects_" in item.name:
       item.add_marker(pytest.mark.rejection)
+    if item.nodeid in extended:
+      item.add_marker(pytest.mark.extended)
