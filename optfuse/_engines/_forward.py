@@ -65,6 +65,14 @@ from optfuse._plan._plan import Plan, PlanCache
 from optfuse._targets._backends import LoopPolicy, loop_policy
 
 
+def _same_type(new, old):
+  """``new`` in ``old``'s dtype, as optax keeps it; a typed PRNG key (``optax.add_noise``'s
+  state) has no dtype to cast to and is returned as it is."""
+  if jax.dtypes.issubdtype(jnp.result_type(old), jax.dtypes.prng_key):
+    return new
+  return jnp.asarray(new).astype(jnp.result_type(old))
+
+
 def _selected_rows(plan: Plan, rows: frozenset[int], own_params: list, own_state: list,
                    from_cut: list) -> tuple[list, list, list, list]:
   """``apply``'s outputs as booleans: whether a row loop chose the value row by row."""
@@ -108,8 +116,7 @@ def apply_pending(plan: Plan, policy: LoopPolicy, params, state: ForwardState,
         plan, policy, grads, state_leaves, param_leaves, rows, deferred, axes, from_cut,
         rows_if)
     # Both branches must give the same types; optax keeps each leaf's dtype (weak types aside).
-    new_state = [jnp.asarray(new_state[k]).astype(jnp.result_type(state_leaves[k]))
-                 for k in own_state]
+    new_state = [_same_type(new_state[k], state_leaves[k]) for k in own_state]
     cuts = [jnp.asarray(c).astype(a.dtype) for c, a in zip(cuts, plan.cuts)]
     buffers = [buffers[i].astype(grads[i].dtype) for i in from_cut_leaves]
     return [new_params[i] for i in own_params], new_state, cuts, buffers

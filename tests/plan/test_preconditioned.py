@@ -232,3 +232,16 @@ def test_without_threefry_partitionable_psgd_updates_after_the_loop_and_says_to_
     got = models.run_fused(OPTIMIZERS["psgd"](), "backward", _params(), batches, 5,
                            models.scanned_loss)
   criteria.assert_matches_optax(got, want)
+
+
+@pytest.mark.parametrize("name", ["psgd", "add_noise"])
+def test_forward_fused_optimizer_with_a_key_in_its_state_matches_optax(name):
+  """Forward fusion applies the pending update before each layer, the probes drawn by layer
+  there too, with a typed key in its state (its pending update cast the key, and failed)."""
+  tx, batches = OPTIMIZERS[name], models.tied_lm_batches(3)
+  want = _key_data(models.run_optax(tx(), _params(), batches, 10, models.scanned_loss))
+  fx = optfuse.fuse(tx(), mode="forward")
+  losses, params, state = models.run_steps(fx.value_and_update(models.scanned_loss), _params(),
+                                           fx.init(_params()), batches, 10)
+  got = (losses, *optfuse.to_optax_state(fx, params, state))  # the last update applied
+  criteria.assert_matches_optax(_key_data(got), want)
