@@ -27,8 +27,10 @@ A full reduction may read a value that itself depends on an earlier one: optax's
 ``safe_norm`` takes the norm of ``where(norm(x) <= 0, 1, x)``. Its first reduction is known
 only after the first pass, so the second is reduced for both values of the flag it reads (a
 bool of one element, the same for every row) and the combine step chooses: exact, and still one
-pass. A reduction that reads a non-bool or a larger value computed from statistics, or any
-other shape of update, is left to the separable plan (``None``).
+pass. A reduction that reads a non-bool or a larger value computed from statistics is reduced
+whole, from the whole gradient: exact for a leaf updated whole (an unstacked embedding), and
+refused row by row (``Plan.run_stats_row``), so that a stacked leaf with one is updated after
+the loop. Any other shape of update is left to the separable plan (``None``).
 """
 
 from __future__ import annotations
@@ -105,8 +107,34 @@ class _Labels(NamedTuple):
   reductions: list  # (output, operand) of each full reduction of a row value, in order
 
 
-def _label(flat: jcore.Jaxpr, row_inputs: dict) -> _Labels | None:
-  """Labels ``flat``'s variables; ``None`` if a value mixes two leaves."""
+def _is_statistic(eqn: jcore.JaxprEqn, row: dict, rows_read: set) -> bool:
+  """Whether ``eqn`` reduces a row value into a statistic of its leaf: over every axis, or
+  over axes that include axis 0 (the layer axis of a scan over the leaf) where no row value
+  reads the result (SM3's accumulator of a non-layer axis, ``max`` over the others, which only
+  its new state holds)."""
+  op = eqn.invars[0] if eqn.invars else None
+  if (_interpreter.primitive_of(eqn) not in _FULL_REDUCTIONS or not _is_var(op) or op not in row
+      or not op.aval.ndim):
+    return False
+  axes = sorted(eqn.params["axes"])
+  return axes == list(range(op.aval.ndim)) or (0 in axes and eqn.outvars[0] not in rows_read)
+
+
+def _dependencies(flat: jcore.Jaxpr, outvars: Sequence) -> set:
+  """The variables ``outvars`` are computed from."""
+  producer = {v: e for e in flat.eqns for v in e.outvars}
+  seen, stack = set(), [v for v in outvars if _is_var(v)]
+  while stack:
+    v = stack.pop()
+    if v not in seen:
+      seen.add(v)
+      stack.extend(u for u in getattr(producer.get(v), "invars", ()) if _is_var(u))
+  return seen
+
+
+def _label(flat: jcore.Jaxpr, row_inputs: dict, rows_read: set) -> _Labels | None:
+  """Labels ``flat``'s variables; ``None`` if a value mixes two leaves. ``rows_read``: the
+  variables the updates and the slots shaped like their params are computed from."""
   labels = _Labels(dict(row_inputs), {}, {}, [])
   row, uniform, level = labels.row, labels.uniform, labels.level
   for eqn in flat.eqns:
@@ -116,8 +144,7 @@ def _label(flat: jcore.Jaxpr, row_inputs: dict) -> _Labels | None:
       return None
     depth = max((level.get(v, 0) for v in ins), default=0)
     op = eqn.invars[0] if eqn.invars else None
-    if (_interpreter.primitive_of(eqn) in _FULL_REDUCTIONS and _is_var(op) and op in row
-        and op.aval.ndim and sorted(eqn.params["axes"]) == list(range(op.aval.ndim))):
+    if _is_statistic(eqn, row, rows_read):
       (out,) = eqn.outvars
       uniform[out], level[out] = row[op], depth + 1
       labels.reductions.append((out, op))
@@ -203,17 +230,17 @@ def _flags(labels: _Labels, producer: dict, flat: jcore.Jaxpr, op) -> tuple | No
   return tuple(found)
 
 
-def _find(flat: jcore.Jaxpr, labels: _Labels) -> list[_Reduction] | None:
-  """The full reductions with the flags each reads; ``None`` if one reads a value computed
-  from statistics that is not such a flag."""
+def _find(flat: jcore.Jaxpr, labels: _Labels) -> list[_Reduction]:
+  """The full reductions with the flags each reads.
+
+  A reduction that reads another value computed from statistics (Adafactor's mean of a
+  factored moment of an unstacked (V, d) embedding, ``mean(v_row)``, inside its block RMS) is
+  computed whole (no flags): exact where the leaf's gradient is reduced whole, and refused
+  row by row by ``Plan.run_stats_row`` (a reduced value used further), so such a stacked leaf
+  is updated after the loop and ``describe`` says why."""
   producer = {v: k for k, e in enumerate(flat.eqns) for v in e.outvars}
-  found = []
-  for out, op in labels.reductions:
-    flags = _flags(labels, producer, flat, op)
-    if flags is None:
-      return None
-    found.append(_Reduction(out, labels.uniform[out], flags))
-  return found
+  return [_Reduction(out, labels.uniform[out], _flags(labels, producer, flat, op) or ())
+          for out, op in labels.reductions]
 
 
 def _spec(v) -> jax.ShapeDtypeStruct:
@@ -277,7 +304,10 @@ def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
     # whole, and where its new value is a statistic's the combine step writes it.
     row_inputs.update((invars[c + n + k], g.leaf) for k in g.state_outs
                       if invars[c + n + k].aval.shape == invars[c + g.leaf].aval.shape)
-  labels = _label(flat, row_inputs)
+  row_slots = [k for g in plan.groups for k in g.state_outs
+               if invars[c + n + k].aval.shape == invars[c + g.leaf].aval.shape]
+  labels = _label(flat, row_inputs,
+                  _dependencies(flat, [*outs[:n], *(outs[n + k] for k in row_slots)]))
   if labels is None or not labels.reductions:
     return None
   global_outs = tuple(k for g in plan.groups for k in g.state_outs
@@ -285,8 +315,6 @@ def make_leaf_stats_plan(traced, plan: Plan) -> Plan | None:
   if any(invars[c + n + k] in row_inputs for k in global_outs):
     return None
   reductions = _find(flat, labels)
-  if reductions is None:
-    return None
   producer = {v: k for k, e in enumerate(flat.eqns) for v in e.outvars}
   slots_of = [tuple(k for k in g.state_outs if k not in global_outs) for g in plan.groups]
   group_outs = [[outs[g.leaf], *(outs[n + k] for k in ks)] for g, ks in zip(plan.groups, slots_of)]

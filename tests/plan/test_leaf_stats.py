@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from optfuse._jaxpr import _rows
-from optfuse._plan import _leaf_stats, _make, _separable
+from optfuse._plan import _make
 
 # One optax update against the plan's stages: the same arithmetic in another order of reduction
 # (float32, measured: at most 1.2e-7 apart).
@@ -23,6 +23,7 @@ WHOLE_LEAF = {
     "lars": lambda: optax.lars(1e-2),
     "clip_by_block_rms+adam": lambda: optax.chain(optax.clip_by_block_rms(1.0), optax.adam(1e-2)),
     "novograd": lambda: optax.novograd(1e-2),
+    "sm3": lambda: optax.sm3(1e-2),
 }
 
 
@@ -72,6 +73,17 @@ def test_rows_partial_statistics_combine_into_the_whole_leaf_statistics(name):
     chex.assert_trees_all_close(got, want, **TOL)
 
 
+def test_sm3_accumulators_of_the_non_layer_axes_are_written_by_the_combine_step():
+  tx, params = WHOLE_LEAF["sm3"](), _tree(0)
+  plan = _plan(tx, params)
+  state = jax.tree.leaves(tx.init(params))
+  # b (5, 4): its accumulator of axis 1, (4,); w (5, 3, 4): those of axes 1 and 2. Each is a
+  # maximum over the layers; the accumulators of axis 0, (5,), and the momenta stay with rows.
+  assert sorted(jnp.shape(state[k]) for k in plan.global_outs) == [(3,), (4,), (4,)]
+  assert [sorted(jnp.shape(state[k]) for k in g.state_outs) for g in plan.groups] == [
+      [(5,), (5, 4)], [(5,), (5, 3, 4)]]
+
+
 def test_novograd_second_moment_is_written_by_the_combine_step():
   tx, params = WHOLE_LEAF["novograd"](), _tree(0)
   plan = _plan(tx, params)
@@ -85,17 +97,38 @@ def test_an_update_without_whole_leaf_norms_keeps_its_separable_plan():
   assert _plan(tx, params).is_separable
 
 
-def test_a_norm_of_values_centred_by_another_norm_is_left_to_the_separable_plan():
-  # ||g - mean(g)||: the second reduction reads a float computed from the first, which no
-  # single sweep can reduce row by row.
-  def update(g, state, params=None):
-    del params
-    centred = jax.tree.map(lambda x: x - jnp.mean(x), g)
-    return jax.tree.map(lambda x, c: x / jnp.linalg.norm(c), g, centred), state
+# Adafactor's defaults factor every leaf here (min_dim_size_to_factor=3): w (5, 3, 4) over its
+# axes 2 and 0, b (5, 4) over both, so the block RMS of each update reads the mean of a factored
+# moment, itself a reduction of the whole leaf: a statistic reduced whole.
+NESTED = {
+    "adafactor, factored": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=3),
+    "norm of centred values": lambda: optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda g, state, params=None: (jax.tree.map(
+            lambda x: x / jnp.linalg.norm(x - jnp.mean(x)), g), state)),
+}
 
-  tx = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
-  params = _tree(0)
+
+@pytest.mark.parametrize("name", NESTED)
+def test_a_statistic_read_by_another_is_reduced_whole_and_exact(name):
+  tx, params, grads = NESTED[name](), _tree(0), _tree(1)
   state = tx.init(params)
-  traced = _separable.trace_update(tx, params, state)
-  assert _leaf_stats.make_leaf_stats_plan(traced, _separable.make_plan(tx, params, state,
-                                                                        traced)) is None
+  plan = _plan(tx, params)
+  assert not plan.is_separable and plan.stats is not None
+  updates, new_state = plan.update(jax.tree.leaves(grads), jax.tree.leaves(state),
+                                    jax.tree.leaves(params))
+  want_updates, want_state = tx.update(grads, state, params)
+  chex.assert_trees_all_close(updates, jax.tree.leaves(want_updates), **TOL)
+  chex.assert_trees_all_close(new_state, jax.tree.leaves(want_state), **TOL)
+
+
+@pytest.mark.parametrize("name", NESTED)
+def test_a_statistic_read_by_another_is_refused_row_by_row_with_its_reason(name):
+  # ||g - mean(g)||: the second reduction reads a float computed from the first, which no
+  # single sweep can reduce row by row, so the leaf's loop is refused and says why.
+  tx, params = NESTED[name](), _tree(0)
+  plan, flat_p = _plan(tx, params), jax.tree.leaves(params)
+  state = jax.tree.leaves(tx.init(params))
+  for i in range(len(flat_p)):
+    why = plan.row_refusal(i, state, flat_p, stats=True)
+    assert why is not None and ("mixes rows" in why or "not stacked" in why), why
