@@ -7,7 +7,8 @@ donated buffers in such loops, from jaxlib 0.7.2), and a donated input left unal
 output buffer. Neither changes a result, so no equivalence test sees it; both add a stacked
 buffer to the peak.
 
-For each step (backward, forward, streamed state and params, low-bit state, microbatches),
+For each step (backward, forward, streamed state and params, low-bit state, microbatches,
+two-pass),
 compiled for XLA:CPU, the TPU v5e compiler and the H100 compiler (compile-only), the optimized
 module must:
 
@@ -53,6 +54,10 @@ CASES = {
     "forward, 4-bit state": dict(mode="forward", bits=4),
     "backward, 2 microbatches": dict(mode="backward", microbatches=2),
     "forward, 2 microbatches": dict(mode="forward", microbatches=2),
+    # Two passes whose second reads the first's statistics (LAMB's trust ratios), and whose
+    # second reads none of them (SM3: its statistics are only its new state).
+    "two-pass, LAMB": dict(mode="backward", global_ops="two_pass", tx=optax.lamb),
+    "two-pass, SM3": dict(mode="backward", global_ops="two_pass", tx=optax.sm3, slots=1),
 }
 
 TARGETS = {
@@ -73,7 +78,8 @@ _COPY = re.compile(r"= \(?(\w+)\[([\d,]*)\]\{([^}]*)\}[^=]*? copy(?:-start)?\(")
 def _compiled_text(case: dict, target: str | None) -> str:
   case = dict(case)
   bits, microbatches = case.pop("bits", None), case.pop("microbatches", None)
-  tx = optax.adam(1e-3)
+  tx = case.pop("tx", optax.adam)(1e-3)
+  case.pop("slots", None)
   if bits is not None:
     tx = optfuse.low_bit(tx, bits)
   fx = optfuse.fuse(tx, **case)
@@ -156,7 +162,8 @@ def _combinations():
 def test_every_donated_stacked_buffer_is_updated_in_place(case, target):
   text = _compiled_text(case, target)
   stacked = stacked_parameters(text)
-  assert len(stacked) >= 6  # w and b, and at least their two slots each
+  # w and b, and at least their slots shaped like them (two each, SM3's one)
+  assert len(stacked) >= 2 * (1 + case.get("slots", 2))
   not_aliased = sorted(name for number, name in stacked.items()
                        if number not in aliased_parameters(text))
   assert not not_aliased, f"donated stacked buffers given a new output buffer: {not_aliased}"

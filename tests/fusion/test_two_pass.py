@@ -144,8 +144,15 @@ LEAF_STATS = {
                                                   optax.adam(1e-2)),
     # Width 16: no two axes of min_dim_size_to_factor, so every moment is stacked like its leaf.
     "adafactor": lambda: optax.adafactor(1e-2),
+    # Factored from 8: w (L, 16, 16)'s moments are (L, 16) and (L, 16), rows of the loop; the
+    # embedding's and the head's are factored too, and their block RMS reads the mean of a
+    # factored moment, a statistic reduced whole (they are updated whole, at their taps).
+    "adafactor, factored": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
     # Its second moment is one scalar per leaf, a statistic the combine step writes.
     "novograd": lambda: optax.novograd(1e-2),
+    # Its accumulators of a leaf's non-layer axes are maxima over the layers, statistics the
+    # combine step writes; the layer axis's accumulator is a row slot.
+    "sm3": lambda: optax.sm3(1e-2),
 }
 LEAF_STATS_STEPS = 20
 
@@ -195,7 +202,7 @@ def test_two_pass_with_whole_leaf_norms_of_a_scanned_model_matches_optax_over_20
 def test_two_pass_with_whole_leaf_norms_rejects_a_one_percent_learning_rate_error(name):
   # The check above must fail for an update 1 % too large, by REJECTED_BY tolerances at least
   # (measured on CPU after 20 steps: LAMB 141, LARS 56, block RMS 190, Adafactor 97,
-  # novograd 752).
+  # Adafactor factored 97 (0.010 unfaulted), novograd 752, SM3 280 (0.0 unfaulted)).
   got = train_leaf_stats(faults.lr_off(LEAF_STATS[name]()))
   distance, _ = criteria.matches_optax_distance(got, leaf_stats_reference(name),
                                                 **criteria.F32_FLOOR)
