@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.extend.core import primitives as P
 
 from optfuse._analysis import _hlo
 from optfuse._jaxpr import _interpreter
@@ -64,41 +65,68 @@ def traced_transfer_bytes(jaxpr) -> TransferBytes:
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   # What no output reads is not run: compilers drop it (a row read only for its shape).
   jaxpr, _ = _interpreter.prune(jaxpr, [True] * len(jaxpr.outvars))
-  to_device, to_host = _walk(jaxpr, 1, False)
-  return TransferBytes(to_device, to_host)
+  return _Transfers().count(jaxpr)
 
 
 def _aval_bytes(aval) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-def _walk(jaxpr, times: int, in_while: bool) -> tuple[int, int]:
-  to_device = to_host = 0
+def _device_put(walk: _Transfers, eqn, ins: list) -> list:
   host = jax.memory.Space.Host
-  for eqn in jaxpr.eqns:
-    name = _interpreter.primitive_of(eqn).name
-    if name == "device_put":
-      for a, b in zip(eqn.invars, eqn.outvars):
-        src, dst = a.aval.memory_space, b.aval.memory_space
-        if src == dst:
-          continue
-        if in_while:
-          raise ValueError("a host transfer inside a while_loop: its trip count is unknown.")
-        if dst == host:
-          to_host += times * _aval_bytes(b.aval)
-        elif src == host:
-          to_device += times * _aval_bytes(b.aval)
-    inner = times * (_interpreter.scan_parts(eqn).length if name == "scan" else 1)
-    subs = _interpreter.inner_jaxprs(eqn)
-    if name == "cond":  # one branch runs: the most any branch moves
-      counts = [_walk(s, inner, in_while) for s in subs]
-      best = max(counts, key=sum, default=(0, 0))
-      to_device, to_host = to_device + best[0], to_host + best[1]
+  for a, b in zip(eqn.invars, eqn.outvars):
+    src, dst = a.aval.memory_space, b.aval.memory_space
+    if src == dst:
       continue
-    for sub in subs:
-      d, h = _walk(sub, inner, in_while or name == "while")
-      to_device, to_host = to_device + d, to_host + h
-  return to_device, to_host
+    if walk.in_while:
+      raise ValueError("a host transfer inside a while_loop: its trip count is unknown.")
+    if dst == host:
+      walk.to_host += walk.times * _aval_bytes(b.aval)
+    elif src == host:
+      walk.to_device += walk.times * _aval_bytes(b.aval)
+  return [None] * len(eqn.outvars)
+
+
+def _cond(walk: _Transfers, eqn, ins: list) -> list:
+  """One branch runs: the most any branch moves."""
+  counts = [_Transfers(walk.times, walk.in_while).count(b.jaxpr)
+            for b in _interpreter.cond_branches(eqn)]
+  best = max(counts, key=lambda c: c.total, default=TransferBytes(0, 0))
+  walk.to_device, walk.to_host = walk.to_device + best.to_device, walk.to_host + best.to_host
+  return [None] * len(eqn.outvars)
+
+
+class _Transfers(_interpreter.Interpreter):
+  """The interpreter's walk that adds up the bytes of each ``device_put`` across memory spaces,
+  ``times`` the trip counts of the loops around it; values are not computed (``None``)."""
+
+  rules = {P.device_put_p: _device_put, P.cond_p: _cond}
+
+  def __init__(self, times: int = 1, in_while: bool = False):
+    super().__init__()
+    self.times, self.in_while = times, in_while
+    self.to_device = self.to_host = 0
+
+  def literal(self, atom) -> None:
+    return None
+
+  def missing(self, v) -> None:
+    return None
+
+  def count(self, jaxpr) -> TransferBytes:
+    """The bytes ``jaxpr`` moves, added to this walk's, and returned."""
+    self.run(jaxpr, [None] * len(jaxpr.constvars), [None] * len(jaxpr.invars))
+    return TransferBytes(self.to_device, self.to_host)
+
+  def default(self, eqn, ins: list) -> list:
+    """Any other equation moves what the jaxprs inside it move: a ``scan``'s body its length
+    times, a ``while``'s body an unknown number of times."""
+    primitive = _interpreter.primitive_of(eqn)
+    times = self.times * (_interpreter.scan_parts(eqn).length if primitive is P.scan_p else 1)
+    for sub in _interpreter.inner_jaxprs(eqn):
+      inner = _Transfers(times, self.in_while or primitive is P.while_p).count(sub)
+      self.to_device, self.to_host = self.to_device + inner.to_device, self.to_host + inner.to_host
+    return [None] * len(eqn.outvars)
 
 
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:[a-z]\d*[a-z]*)*)\[([\d,]*)\](\{[^}]*\})?")
