@@ -143,6 +143,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--state-bits", type=int, choices=(8, 4),
                       help="--slices with AdamW's state in 8 or 4 bits (optfuse.low_bit); "
                       "--what-fits with those rows added")
+  parser.add_argument("--optimizer", choices=_what_fits.OPTIMIZERS, default="adamw",
+                      help="--what-fits with this optimizer: adamw (the default), or adafactor "
+                      "(optax's defaults; the fused step in two passes)")
   parser.add_argument("--offload", metavar="CHOICES", type=_offloads, default=("params",),
                       help="comma-separated offload choices of --host-fits (default params): "
                       f"{', '.join(_what_fits.OFFLOAD_MODES)}")
@@ -202,7 +205,7 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], Callable, Callable, str]
   elif args.suite == "what_fits":
     rows = _what_fits.run(args.target or _what_fits.default_targets(), ("layers", "batch"),
                           use_cache=not args.no_cache, progress=progress,
-                          state_bits=args.state_bits)
+                          state_bits=args.state_bits, optimizer=args.optimizer)
     write, markdown = _report.write_what_fits, _report.what_fits_markdown
     footer = f"(--what-fits: {time.perf_counter() - start:.0f} s)"
   else:

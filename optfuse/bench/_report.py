@@ -274,7 +274,8 @@ def what_fits_markdown(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join([
       f"## optfuse.bench `--what-fits`: jax {env['jax_version']}, optax {env['optax_version']}",
       "", "Compile-only (exact and deterministic for these versions): a scanned remat decoder "
-      "of width 2048 (16 heads, ff=8192, vocab 32000), AdamW, float32 params, T=2048. Layers: "
+      "of width 2048 (16 heads, ff=8192, vocab 32000), AdamW (or the optimizer a line names), "
+      "float32 params, T=2048. Layers: "
       "the most layers that fit at batch 1; batch: the largest batch at 24 layers (the 1.3B "
       "decoder). Each fits the target's memory per device and one more does not.", "",
       *_what_fits.lines(rows), "", _what_fits.markdown(rows), MARGIN_NOTE]) + "\n"

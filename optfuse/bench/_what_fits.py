@@ -61,21 +61,41 @@ for _bits in (8, 4):
     STEPS[f"{_mode}_{_bits}bit"] = ("backward", _offload, _bits)
     LABELS[f"{_mode}_{_bits}bit"] = (
         f"backward fusion, {OFFLOAD_WORDS[_offload].format(f'{_bits}-bit ')}")
+# Adafactor with optax's defaults (factored second moments, block RMS clipping, parameter
+# scale): its whole-leaf statistics keep the stacked leaves out of one-pass loops, so its fused
+# step is two-pass backward (``global_ops="two_pass"``).
+ADAFACTOR_STEPS = {"off_adafactor": "off", "backward_adafactor": "backward"}
+STEPS.update((m, (mode, None, None)) for m, mode in ADAFACTOR_STEPS.items())
+LABELS.update(off_adafactor="optax, Adafactor", backward_adafactor="two-pass backward, Adafactor")
+# The optimizer of each step: ``optimizer_of``.
+OPTIMIZERS = ("adamw", "adafactor")
 # The main job's steps: optax's (the TPU compiler refuses it in about 2 s) and the one that fits.
 QUICK_MODES = ("off", "backward_8bit")
 SHORT = {"off": "optax", "backward": "backward", OFFLOAD: "backward + offload",
          PARAMS: "backward + params offload",
          **{f"backward_{b}bit": f"backward {b}-bit" for b in (8, 4)},
          **{f"{OFFLOAD}_{b}bit": f"backward + offload {b}-bit" for b in (8, 4)},
-         **{f"{PARAMS}_{b}bit": f"backward + params offload {b}-bit" for b in (8, 4)}}
+         **{f"{PARAMS}_{b}bit": f"backward + params offload {b}-bit" for b in (8, 4)},
+         "off_adafactor": "optax Adafactor", "backward_adafactor": "two-pass Adafactor"}
 
 
-def modes_of(name: str, offload: bool = True, state_bits: int | None = None
-             ) -> tuple[str, ...]:
+def optimizer_of(mode: str) -> tuple[optax.GradientTransformation, dict[str, str]]:
+  """The optimizer of step ``mode`` and the ``optfuse.fuse`` options it adds: AdamW (its state
+  in low bits where the step says), or Adafactor's defaults in two passes."""
+  if mode in ADAFACTOR_STEPS:
+    return optax.adafactor(1e-3), {"global_ops": "two_pass"} if mode != "off_adafactor" else {}
+  return _memory.with_state_bits(optax.adamw(1e-3), STEPS[mode][2]), {}
+
+
+def modes_of(name: str, offload: bool = True, state_bits: int | None = None,
+             optimizer: str = "adamw") -> tuple[str, ...]:
   """The modes searched on target ``name``: with ``offload``, backward fusion with the state in
   host memory too where its compiler counts host memory apart (every accelerator's, not
   XLA:CPU's); with ``state_bits``, backward fusion with AdamW's state in that many bits, on
-  device and (with ``offload``) in host memory."""
+  device and (with ``offload``) in host memory. ``optimizer="adafactor"``: optax's and two-pass
+  backward's Adafactor steps only."""
+  if optimizer == "adafactor":
+    return tuple(ADAFACTOR_STEPS)
   host = offload and resolve(name) is not None
   low = () if state_bits is None else (f"backward_{state_bits}bit",) + (
       (f"{OFFLOAD}_{state_bits}bit",) if host else ())
@@ -109,9 +129,9 @@ class Peaks:
     if self.bar is not None:
       self.bar.set_postfix_str(f"{name} {mode} {c.layers}L B{c.batch}")
     model = _models.decoder(c, scanned=True, remat=True)
-    step_mode, offload, bits = STEPS[mode]
-    fx = _fuse.fuse(_memory.with_state_bits(optax.adamw(1e-3), bits), mode=step_mode,
-                    offload=offload)
+    step_mode, offload, _ = STEPS[mode]
+    tx, options = optimizer_of(mode)
+    fx = _fuse.fuse(tx, mode=step_mode, offload=offload, **options)
     lowered = _memory.lower_step(fx, model.loss,
                                  _models.abstract(model.params), _models.abstract(model.batch),
                                  target=resolve(name))
@@ -154,12 +174,12 @@ def search(name: str, mode: str, axis: str, peaks: Peaks, budget: int,
 def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool = True,
         progress: bool = True, config: DecoderConfig = WIDE,
         budget: int | None = None, offload: bool = True, state_bits: int | None = None,
-        only: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        only: Sequence[str] | None = None, optimizer: str = "adamw") -> list[dict[str, Any]]:
   """One row per (target, axis, mode): the largest depth or batch of ``config`` that fits each
   target's memory (or ``budget``, for tests), and its peaks; ``offload``: also with the state in
   host memory, ``state_bits``: also with the state in low bits (``modes_of``); ``only``: just
-  these of those modes. Each search's compiles are cached as it ends, so an interrupted run
-  resumes where it stopped."""
+  these of those modes; ``optimizer="adafactor"``: Adafactor's steps instead. Each search's
+  compiles are cached as it ends, so an interrupted run resumes where it stopped."""
   rows, previous = [], {}
   with tqdm(desc="optfuse.bench what fits", unit="compile", disable=not progress) as bar:
     peaks = Peaks(use_cache, bar)
@@ -169,7 +189,7 @@ def run(names: Sequence[str], axes: Sequence[str] = ("layers",), use_cache: bool
         label, memory, source = _memory.target_budget(resolve(name))
         memory, source = (memory, source) if budget is None else (budget, "given")
         for axis in axes:
-          for mode in modes_of(name, offload, state_bits):
+          for mode in modes_of(name, offload, state_bits, optimizer):
             if only is not None and mode not in only:
               continue
             best, seen = search(name, mode, axis, peaks, memory, previous.get((axis, mode)),
@@ -207,9 +227,10 @@ def lines(rows: Sequence[dict[str, Any]], axis: str = "layers") -> list[str]:
   out = []
   for name in dict.fromkeys(r["target"] for r in rows):
     got = {r["mode"]: r for r in rows if r["target"] == name and r["axis"] == axis}
-    if not set(MODES) <= set(got):
+    pair = next((p for p in (MODES, tuple(ADAFACTOR_STEPS)) if set(p) <= set(got)), None)
+    if pair is None:
       continue
-    off, fused = got["off"], got["backward"]
+    (off, fused), adafactor = (got[m] for m in pair), pair != MODES
     gain = (f"{fused['max'] / off['max']:.2f}x the {axis}" if off["max"] else
             "optax fits none")
     what = (f"d={off['dim']} decoder, T={off['seq']}, batch 1" if axis == "layers" else
@@ -219,7 +240,8 @@ def lines(rows: Sequence[dict[str, Any]], axis: str = "layers") -> list[str]:
     host += "".join(f"; {LABELS[m].removeprefix('backward fusion, ')} {_describe(got[m])}"
                     for m in STEPS if m in got and STEPS[m][2] is not None)
     out.append(f"- **{off['target_label']}** ({_compiled.format_bytes(off['budget_bytes'])} per "
-               f"device): largest {what} with AdamW: optax {_describe(off)}, backward fusion "
+               f"device): largest {what} with {'Adafactor' if adafactor else 'AdamW'}: optax "
+               f"{_describe(off)}, {'two-pass ' if adafactor else ''}backward fusion "
                f"{_describe(fused)} ({gain}){host}")
   return out
 

@@ -5,6 +5,8 @@ import contextlib
 import io
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from optfuse._analysis import _memory
@@ -205,6 +207,28 @@ def test_what_fits_reports_offload_beside_each_mode_on_accelerator_targets():
   assert "with the state in host memory 47 layers" in _what_fits.lines(rows)[0]
   table = _what_fits.markdown(rows)
   assert "backward + offload: layers" in table and "| 15 | 21 | 47 |" in table
+
+
+def test_what_fits_with_adafactor_searches_optax_and_two_pass_backward(tmp_path, monkeypatch):
+  from optfuse.bench import _what_fits
+  monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path / "cache.json"))
+  assert _what_fits.modes_of("tpu-v5e", optimizer="adafactor") == (
+      "off_adafactor", "backward_adafactor")
+  tx, options = _what_fits.optimizer_of("backward_adafactor")
+  assert options == {"global_ops": "two_pass"} and _what_fits.optimizer_of("off_adafactor")[1] == {}
+  # optax.adafactor's defaults: the state's leaves are Adafactor's, not AdamW's.
+  params = {"w": jnp.zeros((4, 256, 256))}
+  assert [x.shape for x in jax.tree.leaves(tx.init(params))] == [
+      (), (4, 256), (4, 256), (1,)]
+  tiny = bench_fit.TINY_DECODER
+  rows = _what_fits.run(["cpu"], ("layers",), progress=False, config=tiny, budget=2_000_000,
+                        optimizer="adafactor")
+  by_mode = {r["mode"]: r for r in rows}
+  assert set(by_mode) == {"off_adafactor", "backward_adafactor"}
+  for row in rows:
+    assert row["peak_at_max"] <= 2_000_000 < row["next_peak"], row
+  assert "with Adafactor: optax" in _what_fits.lines(rows)[0]
+  assert "two-pass Adafactor: layers" in _what_fits.markdown(rows)
 
 
 def test_what_fits_with_state_bits_adds_low_bit_state_on_device_and_in_host_memory():

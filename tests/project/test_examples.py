@@ -153,17 +153,25 @@ def test_muon_memory_puts_the_stacked_matrices_in_the_loop_and_times_both_steps(
   assert all(len(s) == 1 and s[0] > 0 for s in seconds.values())
 
 
-def test_adafactor_memory_fuses_the_factored_moments_and_not_the_defaults():
+def test_optimizer_memory_fuses_whole_leaf_statistics_in_two_passes_only():
   from optfuse.bench import _models
-  example = _load("adafactor_memory")
+  example = _load("optimizer_memory")
   config = _models.DecoderConfig(layers=4, dim=64, heads=4, ff=128, vocab=64, seq=16, batch=2)
   model = _models.decoder(config, scanned=True, remat=True)
-  factored, defaults = (example.measure(model, name, min_dim_size_to_factor=32)
-                        for name in example.OPTIMIZERS)
-  assert factored["in_loop"] == factored["stacked"] == 6 and not factored["reasons"], factored
+  rows = {name: example.measure(model, name, min_dim_size_to_factor=32)
+          for name in ("adafactor (factoring only)", "adafactor (defaults)", "sm3")}
+  factored, defaults, sm3 = rows.values()
+  assert factored["backward in loop"] == factored["two-pass in loop"] == (6, 6), factored
   assert factored["backward"] < factored["optax"]
-  assert defaults["in_loop"] == 0 and defaults["reasons"][0].startswith("its update mixes rows")
-  assert example.markdown([factored, defaults]).count("| cpu |") == 2
+  # A block RMS and SM3's maxima over the layers: after the loop in one pass, in it in two.
+  for row in (defaults, sm3):
+    assert row["backward in loop"] == (0, 6) and row["two-pass in loop"] == (6, 6), row
+    assert not row["two-pass reasons"]
+  assert example.markdown(list(rows.values())).count("| cpu |") == 3
+  timed = example.time_optimizer(model, "sm3", rounds=1, min_run_s=0.0)
+  assert set(timed["ratio"]) == {"optax", "backward", "two-pass"}
+  assert timed["ratio"]["two-pass"][0] > 0 and timed["optax_ms"] > 0
+  assert "| sm3 |" in example.time_markdown(model, [timed], 1)
 
 
 def test_offload_params_trains_like_optax_with_the_params_in_host_memory():
