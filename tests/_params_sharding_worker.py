@@ -10,7 +10,8 @@ fused loops take), on each layout of ``LAYOUTS`` (Auto mesh axes): data parallel
 AdamW state replicated) and FSDP (sharded along "fsdp"). Each runs plain optax, then backward
 and forward fusion with ``offload="params"``, each leaf its fused loop streams in
 host memory and sharded like its device-resident twin; then the same three with two
-microbatches (``*_mb``: optax's mean of the two microbatch gradients, then one update). For
+microbatches (``*_mb``: optax's mean of the two microbatch gradients, then one update), and on
+FSDP backward fusion with a learning rate 1 % off (``FAULTED``). For
 each the worker records the output shardings that differ from the inputs', the all-gathers of
 its compiled HLO and the memory kinds of the params it returns, trains ``N`` steps, and writes
 ``OUT_DIR/report.json`` and the losses and final params and state (on the device) to
@@ -33,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _sharding_worker as worker  # noqa: E402
+import faults  # noqa: E402  (tests/faults.py)
 
 import optfuse  # noqa: E402
 
@@ -41,6 +43,9 @@ DEPTH = 7
 # the TPU compiler's step does on several devices (``worker.rows_read_in_iteration``).
 IMPLS = ("optax", "backward", "forward", "backward_read", "optax_mb", "backward_mb",
          "forward_mb")
+# Backward fusion of AdamW whose updates are 1 % too large (``faults.lr_off``), FSDP only: the
+# criterion of ``test_offload_params.py`` must reject it.
+FAULTED = "backward+lr_1pct_off"
 MICROBATCHES = 2
 
 
@@ -73,11 +78,13 @@ def run(layout: str, impl: str, steps: int) -> tuple[dict, dict]:
   data = worker.batches(steps)
   mode, microbatched = impl.removesuffix("_mb"), impl.endswith("_mb")
   mode, read = mode.removesuffix("_read"), mode.endswith("_read")
+  mode, _, fault = mode.partition("+")
+  tx = faults.faults(lambda path: True)[fault](worker.TX) if fault else worker.TX
   if mode == "optax":
     initable, placed = worker.TX, params
     step = _optax_microbatched(loss) if microbatched else worker.optax_step(loss)
   else:
-    fx = optfuse.fuse(worker.TX, mode, offload="params")
+    fx = optfuse.fuse(tx, mode, offload="params")
     initable = fx
     step = fx.value_and_update(loss, microbatches=MICROBATCHES if microbatched else None)
     placed = optfuse.params_to_host(fx, loss, params, *data[0])
@@ -127,7 +134,7 @@ def main(argv: list[str]) -> None:
                      f"--xla_force_host_platform_device_count={worker.DEVICES}.")
   report, arrays = {}, {}
   for layout in LAYOUTS:
-    for impl in IMPLS:
+    for impl in IMPLS + ((FAULTED,) if layout == "fsdp" else ()):
       report[f"{layout}/{impl}"], out = run(layout, impl, args.steps)
       arrays.update({f"{layout}/{impl}/{k}": v for k, v in out.items()})
   args.out.mkdir(parents=True, exist_ok=True)

@@ -375,6 +375,19 @@ def test_sharded_streamed_params_train_like_optax_on_the_same_mesh(layout, suffi
     assert ran["memory_kinds"]["embed"] == {"w": "device", "b": "device"}
 
 
+@pytest.mark.slow
+def test_sharded_streamed_params_criterion_rejects_a_one_percent_learning_rate_error(
+    sharded_runs):
+  # The check above, on FSDP with the params streamed, must fail for an update 1 % too large,
+  # by REJECTED_BY tolerances at least.
+  _, arrays = sharded_runs
+  only = lambda impl: {k.removeprefix(f"fsdp/{impl}/"): v for k, v in arrays.items()
+                       if k.startswith(f"fsdp/{impl}/")}
+  got, want = only("backward+lr_1pct_off"), only("optax")
+  assert sorted(got) == sorted(want)
+  assert criteria.matches_optax_distance(got, want, **criteria.F32)[0] >= criteria.REJECTED_BY
+
+
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory):
   """``(report, arrays)`` of one run of ``_params_sharding_worker.py`` on eight CPU devices."""
