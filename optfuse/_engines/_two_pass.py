@@ -240,6 +240,6 @@ class TwoPassEngine(_backward.BackwardEngine):
         _needs_statistics(plan, self.one_pass.plan(params, state), i)
         for i in loop_plan.fused_leaves):
       return self.one_pass.fused(loss_fn, has_aux, params, state, args, kwargs, refused)
-    return (value_and_update(plan, loop_policy(), loss_fn, has_aux, params, state, args, kwargs,
-                             loop_plan),
+    return (value_and_update(plan, loop_policy(two_pass=True), loss_fn, has_aux, params, state,
+                             args, kwargs, loop_plan),
             Placed(dict.fromkeys(loop_plan.fused_leaves, "loop"), dict(loop_plan.reasons)))

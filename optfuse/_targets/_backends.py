@@ -65,6 +65,11 @@ PENDING_SELECT = {"tpu": False, "cuda": True, "rocm": True, "cpu": False}
 # A fused scan's forward loop carries the param stacks it reads (rows written back behind an
 # ``optimization_barrier``): the TPU compiler hoists a whole-stack cast of a loop invariant.
 CARRIED_STACKS = {"tpu": True, "cuda": False, "rocm": False, "cpu": False}
+# The same choice for two-pass backward, whose forward loop is followed by two backward loops
+# over the same stacks: on the TPU compiler carrying them there adds whole-stack copies (TPU v5e,
+# the 1.3B decoder with Adafactor's defaults, two-pass: 17.61 GB carried, 8.50 GB read as loop
+# invariants, optax 14.94 GB; docs/design.md).
+TWO_PASS_CARRIED_STACKS = {"tpu": False, "cuda": False, "rocm": False, "cpu": False}
 
 # The row loops pin each param stack they write to its stored row-major layout: the TPU
 # compiler otherwise lays a sliced stack out layer-major, a transposed copy of the whole stack.
@@ -108,8 +113,9 @@ class LoopPolicy(NamedTuple):
   forward_stacked_rows: bool
 
 
-def loop_policy() -> LoopPolicy:
-  """The ``LoopPolicy`` of the platform and the devices steps are traced for now.
+def loop_policy(two_pass: bool = False) -> LoopPolicy:
+  """The ``LoopPolicy`` of the platform and the devices steps are traced for now (``two_pass``:
+  of two-pass backward's step, whose stacks are carried per ``TWO_PASS_CARRIED_STACKS``).
 
   The row loops are ordered on one device only. On several, the order's dependency would add
   scalar collectives (``_row_buffers.after``), and prefetching the slot rows with the param
@@ -132,7 +138,8 @@ def loop_policy() -> LoopPolicy:
   return LoopPolicy(ordered, ordered and for_platform(STORED_LAYOUTS),
                     for_platform(STREAMED_PREFETCH if ordered else SHARDED_STREAMED_PREFETCH),
                     ordered or for_platform(SHARDED_STREAMED_PARAM_PREFETCH),
-                    for_platform(CARRIED_STACKS), for_platform(PENDING_SELECT),
+                    for_platform(TWO_PASS_CARRIED_STACKS if two_pass else CARRIED_STACKS),
+                    for_platform(PENDING_SELECT),
                     for_platform(FORWARD_STACKED_ROWS))
 
 

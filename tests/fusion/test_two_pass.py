@@ -198,6 +198,20 @@ def test_two_pass_with_whole_leaf_norms_of_a_scanned_model_matches_optax_over_20
   criteria.assert_matches_optax(got, leaf_stats_reference(name), **criteria.F32_FLOOR)
 
 
+# The TPU compiler's two-pass loops (``_backends.STORED_LAYOUTS``: each param stack written
+# pinned to its row-major layout; ``TWO_PASS_CARRIED_STACKS``: the stacks not carried through
+# the forward loop), run here on the CPU, and the one-pass TPU choice (carried) for comparison.
+@pytest.mark.parametrize("carried", [False, True], ids=["tpu_two_pass", "carried"])
+@pytest.mark.parametrize("name", ["adafactor", "sm3"])
+def test_two_pass_with_whole_leaf_norms_matches_optax_with_the_tpu_row_loops(name, carried,
+                                                                              monkeypatch):
+  from optfuse._targets import _backends
+  monkeypatch.setitem(_backends.STORED_LAYOUTS, "cpu", True)
+  monkeypatch.setitem(_backends.TWO_PASS_CARRIED_STACKS, "cpu", carried)
+  got = train_leaf_stats(LEAF_STATS[name]())
+  criteria.assert_matches_optax(got, leaf_stats_reference(name), **criteria.F32_FLOOR)
+
+
 @pytest.mark.parametrize("name", LEAF_STATS)
 def test_two_pass_with_whole_leaf_norms_rejects_a_one_percent_learning_rate_error(name):
   # The check above must fail for an update 1 % too large, by REJECTED_BY tolerances at least
