@@ -223,6 +223,16 @@ def test_two_pass_with_whole_leaf_norms_rejects_a_one_percent_learning_rate_erro
   assert distance >= criteria.REJECTED_BY
 
 
+@pytest.mark.parametrize("name", ["adafactor, factored", "sm3"])
+def test_two_pass_with_whole_leaf_norms_without_jit_matches_optax(name):
+  params, batches = leaf_stats_case()
+  steps = 3
+  got = train(optfuse.fuse(LEAF_STATS[name](), mode="backward", global_ops="two_pass"), params,
+              batches, steps, loss_fn=scanned_loss, jit=False)
+  want = models.run_optax(LEAF_STATS[name](), params, batches, steps, loss_fn=scanned_loss)
+  criteria.assert_matches_optax(got, want, **criteria.F32_FLOOR)
+
+
 @pytest.mark.parametrize("name", LEAF_STATS)
 def test_two_pass_with_whole_leaf_norms_frees_most_of_a_stacked_gradient(name):
   # Compile-only, XLA:CPU, 24 layers of d=256 (a 6.3 MB stacked gradient), batch 8 x 16: the
