@@ -121,15 +121,12 @@ def _is_statistic(eqn: jcore.JaxprEqn, row: dict, rows_read: set) -> bool:
 
 
 def _dependencies(flat: jcore.Jaxpr, outvars: Sequence) -> set:
-  """The variables ``outvars`` are computed from."""
-  producer = {v: e for e in flat.eqns for v in e.outvars}
-  seen, stack = set(), [v for v in outvars if _is_var(v)]
-  while stack:
-    v = stack.pop()
-    if v not in seen:
-      seen.add(v)
-      stack.extend(u for u in getattr(producer.get(v), "invars", ()) if _is_var(u))
-  return seen
+  """The variables ``outvars`` are computed from: the outputs of ``flat``'s equations that
+  ``flat`` pruned to ``outvars`` keeps."""
+  outvars = [v for v in outvars if _is_var(v)]
+  jaxpr, _ = _interpreter.prune(_interpreter.new_jaxpr(flat.invars, outvars, flat.eqns, like=flat),
+                                [True] * len(outvars))
+  return {*outvars, *(v for e in jaxpr.eqns for v in e.outvars)}
 
 
 def _label(flat: jcore.Jaxpr, row_inputs: dict, rows_read: set) -> _Labels | None:
